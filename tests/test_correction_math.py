@@ -148,7 +148,7 @@ def test_replay_gradient_stays_on_support():
     z = torch.randn(1, 1, 6, dtype=T64, requires_grad=True)
     lp_a, _ = replay_logprobs(z, torch.tensor([[5]]), torch.tensor([[[1, 2]]]), torch.tensor([[[True, True]]]))
     (g,) = torch.autograd.grad(lp_a.sum(), z)
-    assert torch.all(g[0, 0, [0, 3, 4]] == 0) and torch.all(g[0, 0, [1, 2, 5]] != 0)
+    assert g[0, 0, [0, 3, 4]].abs().max() < 1e-12 and g[0, 0, [1, 2, 5]].abs().min() > 1e-3
 
 
 # ------------------------------------------------------------------ MIS

@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from hetrl.core.xp import (
     Array,
+    log_softmax,
     logsumexp,
     masked_max,
     masked_mean,
@@ -168,9 +169,10 @@ class TokenStats:
 def replay_from_gathered(
     target_logits: Array, support_logits: Array, target_ids: Array, support_ids: Array, support_mask: Array
 ) -> tuple[Array, Array]:
-    """Renormalize over S ∪ {a} given already-gathered (temperature-scaled) logits.
+    """Renormalize over S ∪ {a} given already-gathered values at a and S.
 
-    target_logits [B, L] = z_a; support_logits [B, L, K] = z_v for v in S (padding masked).
+    target_logits [B, L] = z_a/T; support_logits [B, L, K] = z_v/T for v in S (padding masked);
+    any per-position shift of both (e.g. full log-probs instead of logits) gives the same result.
     Returns ``(log p^S(a) [B, L], log p^S(v) [B, L, K])``. The sampled token is always kept
     (force-keep): if a ∉ S it joins the normalizer, so log p^S(a) is finite; a ∈ S is not
     counted twice.
@@ -192,16 +194,17 @@ def replay_logprobs(
     scalar or [B]. Returns ``(log p^S(a_t) [B, L], log p^S(v) [B, L, K])``. With the whole
     vocabulary as support this equals the log-softmax.
     """
-    z_a, z_s = _gather_target_and_support(_scale(logits, temperature), target_ids, support_ids)
-    return replay_from_gathered(z_a, z_s, target_ids, support_ids, support_mask)
+    full = log_softmax(_scale(logits, temperature), axis=-1)
+    lp_a, lp_s = _gather_target_and_support(full, target_ids, support_ids)
+    return replay_from_gathered(lp_a, lp_s, target_ids, support_ids, support_mask)
 
 
-def _gather_target_and_support(scaled: Array, target_ids: Array, support_ids: Array) -> tuple[Array, Array]:
-    """``(z_a [B, L], z_S [B, L, K])`` with one gather of K+1 ids, so the backward pass
-    scatters into the [B, L, V] gradient once (two gathers would cost a second V-sized pass)."""
-    xp = namespace(scaled)
+def _gather_target_and_support(values: Array, target_ids: Array, support_ids: Array) -> tuple[Array, Array]:
+    """``(values[a] [B, L], values[S] [B, L, K])`` with one gather of K+1 ids, so the backward
+    pass scatters into the [B, L, V] gradient once (two gathers would cost a second V-sized pass)."""
+    xp = namespace(values)
     ids = xp.concat([support_ids, xp.astype(target_ids[..., None], support_ids.dtype)], axis=-1)
-    gathered = take_along_axis(scaled, ids, axis=-1)
+    gathered = take_along_axis(values, ids, axis=-1)
     return gathered[..., -1], gathered[..., :-1]
 
 
@@ -330,12 +333,13 @@ def policy_loss(
     q_a = xp.astype(x.sampler_logprobs, dtype)
     q_s = xp.astype(x.support_logprobs, dtype)
 
-    scaled = _scale(x.logits, x.temperature)
-    z_a, z_s = _gather_target_and_support(scaled, x.target_ids, x.support_ids)
-    lse_full = logsumexp(scaled, axis=-1)
-    logp_a, logp_s = z_a - lse_full, z_s - lse_full[..., None]
+    # Full-vocabulary log-probs first (the same fused log-softmax a plain loss uses), then one
+    # gather at S ∪ {a}; replay renormalizes those K+1 values, which is exact since
+    # log p^S = z − lse_{S∪{a}} z is invariant to the per-position shift by lse_V z.
+    full = log_softmax(_scale(x.logits, x.temperature), axis=-1)
+    logp_a, logp_s = _gather_target_and_support(full, x.target_ids, x.support_ids)
     if config.replay:
-        replay_a, replay_s = replay_from_gathered(z_a, z_s, x.target_ids, x.support_ids, x.support_mask)
+        replay_a, replay_s = replay_from_gathered(logp_a, logp_s, x.target_ids, x.support_ids, x.support_mask)
         kept = x.support_kept[:, None]
         logp_a = xp.where(kept, replay_a, logp_a)
         logp_s = xp.where(kept[..., None], replay_s, logp_s)

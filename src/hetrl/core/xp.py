@@ -12,6 +12,7 @@ Extras the standard lacks, each dispatched on the backend by name:
 * :func:`logsumexp`      -- over an axis, with an optional boolean ``where`` mask, gradient-safe
   (masked entries get an exact zero gradient, never NaN, as long as every reduced slice keeps at
   least one entry); unmasked, it is the framework's fused kernel;
+* :func:`log_softmax`    -- the framework's fused kernel (numpy: via :func:`logsumexp`);
 * :func:`take_along_axis` -- gather along an axis with integer indices of any width;
 * :func:`masked_sum`, :func:`masked_mean`, :func:`masked_max` -- reductions over masked entries.
 """
@@ -32,6 +33,7 @@ __all__ = [
     "backend_name",
     "stop_gradient",
     "logsumexp",
+    "log_softmax",
     "take_along_axis",
     "masked_sum",
     "masked_mean",
@@ -107,6 +109,16 @@ def logsumexp(x: Array, axis: int = -1, where: Array | None = None, keepdims: bo
     total = xp.sum(xp.exp(x - shift), axis=axis, keepdims=True)
     out = xp.log(total) + shift
     return out if keepdims else xp.squeeze(out, axis=axis)
+
+
+def log_softmax(x: Array, axis: int = -1) -> Array:
+    """``x − logsumexp(x)`` along ``axis``; the framework's fused kernel on jax and torch."""
+    name = backend_name(x)
+    if name == "torch":
+        return sys.modules["torch"].log_softmax(x, dim=axis)
+    if name == "jax":
+        return sys.modules["jax"].nn.log_softmax(x, axis=axis)
+    return x - logsumexp(x, axis=axis, keepdims=True)
 
 
 def masked_sum(x: Array, mask: Array, axis: int | tuple[int, ...] | None = None) -> Array:
