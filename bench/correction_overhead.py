@@ -5,10 +5,10 @@ Both losses start from the same logits [B, L, V] and apply the sampling temperat
 is ``-A · log_softmax(z/T)[a]`` token-mean, the corrected one is
 ``hetrl.core.correction.policy_loss`` with ``PRESETS["hetrl"]`` (replay over a kept support of K
 ids, token + geometric MIS, score centering) plus its per-token statistics. The two are timed
-interleaved, run after run, and compared by the ratio of their medians, so machine load shifts
-both alike.
+interleaved (alternating which goes first), and compared by the median of the per-pair ratios,
+so machine load shifts both alike.
 
-    .venv/bin/python bench/correction_overhead.py [--repeats 7] [--out bench/results]
+    .venv/bin/python bench/correction_overhead.py [--repeats 15] [--out bench/results]
 """
 
 from __future__ import annotations
@@ -101,20 +101,22 @@ def jax_fns(arrays):
     return (lambda: plain_grad(j["logits"], j).block_until_ready()), (lambda: hetrl_grad(j["logits"], j).block_until_ready())
 
 
-def time_pair(plain, hetrl, repeats: int) -> tuple[float, float]:
+def time_pair(plain, hetrl, repeats: int) -> tuple[float, float, float]:
+    """Medians of each and the median of the per-pair ratios hetrl/plain (robust to drift)."""
     plain(), hetrl(), plain(), hetrl()  # warm-up and compilation
     tp, th = [], []
-    for _ in range(repeats):
-        for fn, out in ((plain, tp), (hetrl, th)):
+    for i in range(repeats):
+        order = ((plain, tp), (hetrl, th)) if i % 2 == 0 else ((hetrl, th), (plain, tp))
+        for fn, out in order:
             start = time.perf_counter()
             fn()
             out.append(time.perf_counter() - start)
-    return statistics.median(tp), statistics.median(th)
+    return statistics.median(tp), statistics.median(th), statistics.median(h / p for h, p in zip(th, tp))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(__file__).parent / "results")
     parser.add_argument("--sizes", type=str, default=None, help="e.g. '4x256x32768x64,2x128x8192x16'")
     args = parser.parse_args()
@@ -127,9 +129,9 @@ def main() -> None:
             arrays = make_arrays(*size)
             for backend, make in (("jax", jax_fns), ("torch", torch_fns)):
                 progress.update(task, description=f"{backend} B,L,V,K={size}")
-                plain_s, hetrl_s = time_pair(*make(arrays), args.repeats)
+                plain_s, hetrl_s, ratio = time_pair(*make(arrays), args.repeats)
                 rows.append(dict(backend=backend, B=size[0], L=size[1], V=size[2], K=size[3],
-                                 plain_ms=plain_s * 1e3, hetrl_ms=hetrl_s * 1e3, overhead=hetrl_s / plain_s - 1))
+                                 plain_ms=plain_s * 1e3, hetrl_ms=hetrl_s * 1e3, overhead=ratio - 1))
                 progress.advance(task)
 
     table = Table(title="hetrl preset loss vs plain token log-prob loss, forward+backward")
