@@ -76,6 +76,12 @@ class ModelConfig(BaseModel):
             raise ValueError("config.json: use_sliding_window=true is not supported")
         if model_type == "qwen3" and hf.get("attention_bias"):
             raise ValueError("config.json: attention_bias=true is not supported for qwen3")
+        hf = dict(hf)
+        rope = hf.pop("rope_parameters", None)  # transformers >= 5 writes RoPE settings here
+        if rope:
+            if rope.get("rope_type", "default") != "default":
+                raise ValueError(f"config.json: rope_parameters {rope!r} is not supported (only plain RoPE)")
+            hf["rope_theta"] = rope["rope_theta"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
         fields = {k: hf[k] for k in cls.model_fields if k in hf and k not in ("head_dim", "eos_token_id")}

@@ -1,0 +1,71 @@
+"""The sampler interface every pool implements (embedded JAX engine, SGLang, sglang-jax).
+
+A sampler turns :class:`GenerationRequest` s into :class:`Generation` s: one turn of sampled
+tokens with everything the correction needs per token (the sampler's log-prob under the
+distribution it really sampled from, the kept support with its log-probs, the weight version).
+Multi-turn episodes are assembled into :class:`hetrl.core.schema.Rollout` s by the orchestrator,
+which appends environment tokens between turns. Weights arrive in HF naming
+(``dict[str, np.ndarray]``, see :mod:`hetrl.models.hf_io`) with a version stamp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+from hetrl.core.schema import FinishReason, SamplerInfo, SamplingParams, SamplingSupport
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One prompt to continue. ``prompt_ids`` [P] int32 (the whole context so far)."""
+
+    request_id: str
+    prompt_ids: np.ndarray
+    sampling: SamplingParams
+    max_new_tokens: int
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, eq=False)
+class Generation:
+    """One sampled continuation. Per new token t (shape [T] each): ``token_ids``,
+    ``logprobs`` = log q(a_t), ``policy_version``; ``support`` = S_t (CSR, kind 'kept' when
+    sampling truncates, 'head' of the full distribution otherwise, or None)."""
+
+    request_id: str
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    policy_version: np.ndarray
+    finish_reason: FinishReason
+    support: SamplingSupport | None
+    sampler: SamplerInfo
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SamplerHealth:
+    healthy: bool
+    weight_version: int
+    in_flight: int = 0
+    detail: str = ""
+
+
+@runtime_checkable
+class Sampler(Protocol):
+    """What the orchestrator needs from a pool replica."""
+
+    @property
+    def info(self) -> SamplerInfo: ...
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
+        """Sample every request to completion (stop token or ``max_new_tokens``)."""
+        ...
+
+    def update_weights(self, version: int, weights: Mapping[str, np.ndarray]) -> None:
+        """Load HF-named weights and stamp later tokens with ``version``."""
+        ...
+
+    def health(self) -> SamplerHealth: ...
