@@ -88,10 +88,6 @@ class SamplingParams(BaseModel):
         return self.top_p < 1.0 or self.top_k > 0
 
 
-def _int_array(x: Any) -> np.ndarray:
-    return np.asarray(x) if not isinstance(x, np.ndarray) else x
-
-
 @dataclass(frozen=True, eq=False)
 class SamplingSupport:
     """CSR support: ``ids[offsets[t]:offsets[t+1]]`` is S_t for response token ``t``.
@@ -107,7 +103,7 @@ class SamplingSupport:
 
     def __post_init__(self) -> None:
         for name in ("ids", "offsets", "logprobs"):
-            object.__setattr__(self, name, _int_array(getattr(self, name)))
+            object.__setattr__(self, name, np.asarray(getattr(self, name)))
 
     @classmethod
     def from_lists(
@@ -154,11 +150,7 @@ class Rollout:
 
     def __post_init__(self) -> None:
         for name in self._ARRAYS:
-            object.__setattr__(self, name, _int_array(getattr(self, name)))
-
-    @property
-    def num_response_tokens(self) -> int:
-        return int(self.response_ids.shape[0]) if self.response_ids.ndim == 1 else -1
+            object.__setattr__(self, name, np.asarray(getattr(self, name)))
 
     # ------------------------------------------------------------------ validation
     def validate(self, vocab_size: int | None = None, max_length: int | None = None) -> "Rollout":
