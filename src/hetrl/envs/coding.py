@@ -1,0 +1,437 @@
+"""The agentic coding environment: the policy writes code, the sandbox runs the tests.
+
+Two task kinds share one multi-turn loop (:class:`CodingEnv`):
+
+* :class:`FunctionTask` -- write one Python function. The action's fenced code block that defines
+  ``entry_point`` becomes ``solution.py``; a harness (``_harness_function.py``) calls the function
+  on the visible and hidden inputs inside the sandbox and prints its return values as JSON lines.
+  **Expected values never enter the sandbox**: the parent compares them, so a candidate cannot
+  read or forge the hidden answers.
+* :class:`RepoTask` -- make a failing unittest suite pass in a small repository. The action gives
+  whole files as fenced blocks tagged with their path (```` ```python pkg/mod.py ````); edits
+  accumulate over the episode; test files cannot be edited. A harness (``_harness_unittest.py``)
+  runs the visible and hidden test files with stdlib :mod:`unittest` inside the sandbox. These
+  tests run in the candidate's process, so a candidate that deliberately attacks the runner could
+  forge its report: use function tasks where rewards must be tamper-proof.
+
+Episode: turn t runs the current answer; while visible tests fail and ``t < max_turns`` the
+failures (inputs, expected, got, errors; or test ids and messages) come back as the next user
+message; the episode ends when the visible tests pass or the turns run out, with
+
+    reward = (1 - format_weight) * fraction of scored tests passed + format_weight * format_ok
+
+on the final answer, where the scored tests are the hidden cases of a function task and every
+test (visible and hidden) of a repository task, and ``format_ok`` means the answer used the
+expected fenced format. Intermediate turns earn 0. Nothing from the sandbox is evaluated in the
+parent: results travel as JSON lines tagged with a per-run nonce, parsed with :func:`json.loads`.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import pathlib
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Any, Union
+
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_validator
+
+from hetrl.envs.base import IM_END, IM_START, Environment, Message, Observation, StepResult, Task
+from hetrl.envs.sandbox import Sandbox, SandboxLimits, SandboxResult
+
+_HERE = pathlib.Path(__file__).parent
+FUNCTION_HARNESS = (_HERE / "_harness_function.py").read_text()
+UNITTEST_HARNESS = (_HERE / "_harness_unittest.py").read_text()
+SOLUTION_MODULE = "solution"
+_FENCE = re.compile(r"^[ \t]*```[ \t]*([^\n`]*)\n(.*?)^[ \t]*```[ \t]*$", re.M | re.S)
+_PATH_COMMENT = re.compile(r"^#\s*(?:file:\s*)?([\w./-]+\.\w+)\s*$")
+MAX_ANSWER_FILES, MAX_FILE_CHARS = 20, 100_000
+
+
+# -- tasks ---------------------------------------------------------------------------------------
+
+class FunctionCase(BaseModel):
+    """One call ``entry_point(*args)`` and its expected return value (JSON values)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    args: tuple[JsonValue, ...]
+    expected: JsonValue
+
+
+class FunctionTask(Task):
+    """Write the function ``entry_point``. ``prompt`` shows the visible cases; the hidden ones are
+    scored. ``reference`` is a correct answer in the expected format (a fenced block)."""
+
+    prompt: str = Field(min_length=1)
+    entry_point: str = Field(pattern=r"^[A-Za-z_]\w*$")
+    visible: tuple[FunctionCase, ...] = Field(min_length=1)
+    hidden: tuple[FunctionCase, ...] = Field(min_length=1)
+    reference: str
+    tier: int = Field(default=0, ge=0)
+
+
+def _check_relpath(path: str) -> str:
+    parts = pathlib.PurePosixPath(path).parts
+    if (not parts or path.startswith("/") or "\\" in path or len(path) > 200
+            or any(p in ("", ".", "..") or p.startswith(".") for p in parts)):
+        raise ValueError(f"not a clean relative path: {path!r}")
+    return path
+
+
+class RepoTask(Task):
+    """Make the tests pass in a repository. ``files``: the initial source files (editable);
+    ``tests``: visible test files (shown, give feedback); ``hidden_tests``: scored with the
+    visible ones but never shown. Test files are ``unittest`` modules (``.py``)."""
+
+    issue: str = Field(min_length=1)
+    files: dict[str, str]
+    tests: dict[str, str] = Field(min_length=1)
+    hidden_tests: dict[str, str] = Field(default_factory=dict)
+    reference: str
+
+    @field_validator("files", "tests", "hidden_tests")
+    @classmethod
+    def _clean_paths(cls, value: dict[str, str]) -> dict[str, str]:
+        for path in value:
+            _check_relpath(path)
+        return value
+
+    @model_validator(mode="after")
+    def _test_files(self) -> "RepoTask":
+        test_paths = set(self.tests) | set(self.hidden_tests)
+        if set(self.tests) & set(self.hidden_tests) or test_paths & set(self.files):
+            raise ValueError("a path is both a source file and a test file, or visible and hidden")
+        for path, source in {**self.tests, **self.hidden_tests}.items():
+            if not path.endswith(".py") or not unittest_ids(path, source):
+                raise ValueError(f"test file {path} defines no unittest test methods")
+        return self
+
+    @property
+    def test_paths(self) -> tuple[str, ...]:
+        return tuple(sorted(self.tests)) + tuple(sorted(self.hidden_tests))
+
+    @property
+    def prompt(self) -> str:
+        """The issue, every source file and visible test file, and the answer format."""
+        shown = [*sorted(self.files.items()), *sorted(self.tests.items())]
+        blocks = "\n\n".join(f"```python {path}\n{text.rstrip()}\n```" for path, text in shown)
+        return (f"{self.issue.strip()}\n\nRepository:\n\n{blocks}\n\n"
+                "Make the tests pass without editing test files. Reply with the complete new content "
+                "of every file you change, each in a ```python <path> block.")
+
+
+CodingTask = Union[FunctionTask, RepoTask]
+
+
+def unittest_ids(path: str, source: str) -> tuple[str, ...]:
+    """Ids (``module.Class.test_method``) of the test methods a trusted test file defines, found
+    by parsing it (never by running it): classes at module level deriving from ``*TestCase``."""
+    module = path[:-3].replace("/", ".")
+    ids = []
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.ClassDef) and any(
+                (isinstance(b, ast.Attribute) and b.attr.endswith("TestCase"))
+                or (isinstance(b, ast.Name) and b.id.endswith("TestCase")) for b in node.bases):
+            ids += [f"{module}.{node.name}.{f.name}" for f in node.body
+                    if isinstance(f, ast.FunctionDef) and f.name.startswith("test")]
+    return tuple(sorted(ids))
+
+
+# -- answers -------------------------------------------------------------------------------------
+
+def extract_code(text: str, entry_point: str) -> tuple[str | None, bool]:
+    """The code of an answer and whether it has the expected format: the last fenced block that
+    defines ``entry_point`` (format ok); else the last fenced block, or the text from the first
+    ``def`` line, or after an unclosed fence (format not ok); None when there is no code."""
+    defines = re.compile(rf"^\s*def\s+{re.escape(entry_point)}\s*\(", re.M)
+    blocks = [body for _, body in _FENCE.findall(text)]
+    with_def = [b for b in blocks if defines.search(b)]
+    if with_def:
+        return with_def[-1], True
+    if blocks:
+        return blocks[-1], False
+    opener = text.rfind("```")
+    if opener >= 0:
+        rest = text[opener + 3:]
+        return (rest.split("\n", 1)[1] if "\n" in rest else ""), False
+    match = re.search(r"^\s*def\s", text, re.M)
+    return (text[match.start():], False) if match else (None, False)
+
+
+def extract_files(text: str) -> tuple[dict[str, str], list[str]]:
+    """Files of an answer: fenced blocks whose info string ends with a path
+    (```` ```python pkg/mod.py ````) or whose first line is a ``# file: path`` comment.
+    Returns (files, problems); a block without a usable path is a problem, later blocks for the
+    same path win."""
+    files: dict[str, str] = {}
+    problems: list[str] = []
+    for info, body in _FENCE.findall(text):
+        words = info.split()
+        path = words[-1] if words and "." in words[-1] else None
+        if path is None:
+            first = body.split("\n", 1)[0].strip()
+            match = _PATH_COMMENT.match(first)
+            path = match.group(1) if match else None
+        if path is None:
+            problems.append("A code block has no file path.")
+            continue
+        try:
+            _check_relpath(path)
+        except ValueError as exc:
+            problems.append(str(exc))
+            continue
+        if len(body) > MAX_FILE_CHARS:
+            problems.append(f"{path} is too large.")
+            continue
+        files[path] = body
+    if len(files) > MAX_ANSWER_FILES:
+        problems.append(f"Too many files ({len(files)} > {MAX_ANSWER_FILES}).")
+        files = dict(list(files.items())[:MAX_ANSWER_FILES])
+    return files, problems
+
+
+# -- grading -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Outcome:
+    """One test: ``name`` (a call like ``f([1, 2])`` or a unittest id), whether it passed, and a
+    one-line explanation for feedback."""
+
+    name: str
+    passed: bool
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Grade:
+    """Result of running one answer: ``visible`` tests (feedback), ``scored`` tests (reward),
+    ``format_ok``; ``notes`` for the policy (no code, load error, ignored edits); ``tested`` is
+    False when no test could run (then every test failed); the sandbox result if it ran."""
+
+    visible: tuple[Outcome, ...]
+    scored: tuple[Outcome, ...]
+    format_ok: bool
+    notes: tuple[str, ...]
+    tested: bool
+    sandbox: SandboxResult | None
+
+    @property
+    def visible_passed(self) -> bool:
+        return all(o.passed for o in self.visible)
+
+    @property
+    def scored_fraction(self) -> float:
+        return sum(o.passed for o in self.scored) / len(self.scored)
+
+    def reward(self, format_weight: float) -> float:
+        return (1.0 - format_weight) * self.scored_fraction + format_weight * float(self.format_ok)
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "visible_passed": sum(o.passed for o in self.visible), "visible_total": len(self.visible),
+            "scored_passed": sum(o.passed for o in self.scored), "scored_total": len(self.scored),
+            "format_ok": self.format_ok, "notes": list(self.notes),
+            "killed_reason": self.sandbox.killed_reason if self.sandbox else None,
+            "sandbox_wall_s": self.sandbox.wall_s if self.sandbox else 0.0,
+        }
+
+
+def _records(stdout: str, nonce: str) -> list[dict]:
+    """The harness's JSON records (lines starting with the nonce); anything else is ignored,
+    malformed or absurdly nested lines included."""
+    out = []
+    for line in stdout.splitlines():
+        if line.startswith(nonce + " "):
+            try:
+                record = json.loads(line[len(nonce) + 1:])
+            except (ValueError, RecursionError):
+                continue
+            if isinstance(record, dict):
+                out.append(record)
+    return out
+
+
+def json_equal(a: Any, b: Any) -> bool:
+    """Equality of JSON values; floats within 1e-9 (relative or absolute); booleans are not
+    numbers."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b or math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(json_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(json_equal(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
+
+
+def _show(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _sanitize(text: str) -> str:
+    """Environment text never contains chat markers (:class:`hetrl.envs.base.ChatFormat`)."""
+    return text.replace(IM_START, "<| im_start |>").replace(IM_END, "<| im_end |>")
+
+
+class CodingEnvConfig(BaseModel):
+    """``max_turns``: answers per episode; ``format_weight``: weight of the format term;
+    ``test_timeout_s``: per call / per test; ``require_isolation``: passed to :class:`Sandbox`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_turns: int = Field(default=3, ge=1)
+    format_weight: float = Field(default=0.1, ge=0.0, le=1.0)
+    limits: SandboxLimits = SandboxLimits(cpu_s=4, wall_s=8, max_output_bytes=1 << 18)
+    test_timeout_s: float = Field(default=1.0, gt=0)
+    max_failures_shown: int = Field(default=3, ge=1)
+    max_feedback_chars: int = Field(default=1500, ge=200)
+    require_isolation: tuple[str, ...] = ()
+    system_prompt: str | None = None
+
+
+class CodingEnv(Environment):
+    """Multi-turn coding episodes over :class:`FunctionTask` and :class:`RepoTask`. One instance
+    per concurrent episode; the sandbox may be shared between instances and threads."""
+
+    def __init__(self, config: CodingEnvConfig | None = None, sandbox: Sandbox | None = None):
+        self.config = config or CodingEnvConfig()
+        self.sandbox = sandbox or Sandbox(self.config.limits, require=self.config.require_isolation)
+        self._task: CodingTask | None = None
+        self._files: dict[str, str] = {}
+        self._turn = 0
+        self._done = True
+
+    # -- episode -----------------------------------------------------------------------------
+
+    def reset(self, task: CodingTask) -> Observation:
+        if not isinstance(task, (FunctionTask, RepoTask)):
+            raise TypeError(f"CodingEnv takes FunctionTask or RepoTask, not {type(task).__name__}")
+        self._task, self._turn, self._done = task, 0, False
+        self._files = dict(task.files) if isinstance(task, RepoTask) else {}
+        messages = [Message(role="user", content=_sanitize(task.prompt))]
+        if self.config.system_prompt:
+            messages.insert(0, Message(role="system", content=self.config.system_prompt))
+        return Observation(messages=tuple(messages))
+
+    def step(self, action_text: str) -> StepResult:
+        if self._task is None or self._done:
+            raise RuntimeError("no episode is running: call reset() first")
+        self._turn += 1
+        if isinstance(self._task, FunctionTask):
+            grade = self.grade(self._task, action_text)
+        else:
+            grade = self._grade_repo_answer(self._task, action_text, self._files)
+        info = {"turn": self._turn, **grade.info()}
+        if grade.visible_passed or self._turn >= self.config.max_turns:
+            self._done = True
+            return StepResult(observation=None, reward=grade.reward(self.config.format_weight), done=True, info=info)
+        feedback = Message(role="user", content=_sanitize(self._feedback(grade)))
+        return StepResult(observation=Observation(messages=(feedback,)), reward=0.0, done=False, info=info)
+
+    # -- grading -----------------------------------------------------------------------------
+
+    def grade(self, task: CodingTask, action_text: str) -> Grade:
+        """Grade one answer on its own (for a repository task: applied to the initial files)."""
+        if isinstance(task, RepoTask):
+            return self._grade_repo_answer(task, action_text, dict(task.files))
+        code, format_ok = extract_code(action_text, task.entry_point)
+        cases = task.visible + task.hidden
+        if code is None:
+            return self._untested(task, "No code block found.", format_ok)
+        nonce = secrets.token_hex(8)
+        spec = {"nonce": nonce, "module": SOLUTION_MODULE, "entry": task.entry_point,
+                "cases": [list(c.args) for c in cases], "timeout_s": self.config.test_timeout_s}
+        res = self.sandbox.run(FUNCTION_HARNESS, stdin=json.dumps(spec), files={f"{SOLUTION_MODULE}.py": code})
+        records = _records(res.stdout, nonce)
+        load_error = next((str(r["load_error"]) for r in records if "load_error" in r), None)
+        by_index = {r["i"]: r for r in records if type(r.get("i")) is int}
+        missing = load_error or (f"no result (sandbox: {res.killed_reason})" if res.killed_reason else "no result")
+        outcomes = []
+        for i, case in enumerate(cases):
+            call = f"{task.entry_point}({', '.join(_show(a) for a in case.args)})"
+            record = by_index.get(i)
+            if record is None:
+                outcomes.append(Outcome(call, False, f"{call}: {missing}"))
+            elif "error" in record:
+                outcomes.append(Outcome(call, False, f"{call} raised {_show(str(record['error']), 300)}"))
+            else:
+                try:
+                    got = record.get("out")
+                    outcomes.append(Outcome(call, json_equal(got, case.expected),
+                                            f"{call} == {_show(case.expected)}, got {_show(got)}"))
+                except RecursionError:
+                    outcomes.append(Outcome(call, False, f"{call} returned a too deeply nested value"))
+        n = len(task.visible)
+        notes = (f"Your code failed to load: {load_error}",) if load_error else ()
+        return Grade(tuple(outcomes[:n]), tuple(outcomes[n:]), format_ok, notes, load_error is None, res)
+
+    def _untested(self, task: CodingTask, note: str, format_ok: bool) -> Grade:
+        if isinstance(task, FunctionTask):
+            visible = tuple(Outcome(f"case {i}", False) for i in range(len(task.visible)))
+            scored = tuple(Outcome(f"case {i}", False) for i in range(len(task.hidden)))
+        else:
+            visible = tuple(Outcome(t, False) for p in sorted(task.tests) for t in self._ids(task, p))
+            scored = tuple(Outcome(t, False) for p in task.test_paths for t in self._ids(task, p))
+        return Grade(visible, scored, format_ok, (note,), False, None)
+
+    @staticmethod
+    def _ids(task: RepoTask, path: str) -> tuple[str, ...]:
+        return unittest_ids(path, {**task.tests, **task.hidden_tests}[path])
+
+    def _grade_repo_answer(self, task: RepoTask, action_text: str, state: dict[str, str]) -> Grade:
+        """Apply the answer's files to ``state`` (in place; test paths refused) and run the tests."""
+        edits, problems = extract_files(action_text)
+        refused = sorted(p for p in edits if p in task.tests or p in task.hidden_tests)
+        if refused:
+            problems.append(f"Edits to test files ignored: {', '.join(refused)}")
+        state.update({p: t for p, t in edits.items() if p not in refused})
+        format_ok = bool(edits) and not problems
+        if not edits:
+            return self._untested(task, "; ".join(problems) or "No file blocks found.", format_ok)
+        nonce = secrets.token_hex(8)
+        spec = {"nonce": nonce, "files": list(task.test_paths), "timeout_s": self.config.test_timeout_s}
+        res = self.sandbox.run(UNITTEST_HARNESS, stdin=json.dumps(spec),
+                               files={**state, **task.tests, **task.hidden_tests})
+        records = _records(res.stdout, nonce)
+        by_id = {r["id"]: r for r in records if isinstance(r.get("id"), str)}
+        file_errors = {r["file"]: str(r.get("message", "")) for r in records if isinstance(r.get("file"), str)}
+        fallback = f"no result (sandbox: {res.killed_reason})" if res.killed_reason else "no result"
+        outcomes: dict[str, Outcome] = {}
+        for path in task.test_paths:
+            for test_id in self._ids(task, path):
+                record = by_id.get(test_id)
+                if record is None:
+                    why = f"test file failed to load: {file_errors[path]}" if path in file_errors else fallback
+                    outcomes[test_id] = Outcome(test_id, False, why)
+                else:
+                    status = record.get("status")
+                    message = str(record.get("message", ""))
+                    outcomes[test_id] = Outcome(test_id, status == "pass", f"{str(status).upper()}: {message}")
+        visible_ids = [t for p in sorted(task.tests) for t in self._ids(task, p)]
+        return Grade(tuple(outcomes[t] for t in visible_ids), tuple(outcomes.values()), format_ok,
+                     tuple(problems), True, res)
+
+    def _feedback(self, grade: Grade) -> str:
+        """The next user message: what failed on the visible tests, compactly."""
+        failed = [o for o in grade.visible if not o.passed]
+        lines = [note[:300] for note in grade.notes]
+        if grade.tested and failed:
+            lines.append(f"Failed {len(failed)}/{len(grade.visible)}:")
+            for o in failed[: self.config.max_failures_shown]:
+                if isinstance(self._task, RepoTask):
+                    lines.append(o.name)
+                    lines.append("  " + o.detail.replace("\n", "\n  ")[:400])
+                else:
+                    lines.append(o.detail)
+            if len(failed) > self.config.max_failures_shown:
+                lines.append(f"... and {len(failed) - self.config.max_failures_shown} more")
+        lines.append("Fix the code.")
+        text = "\n".join(lines)
+        limit = self.config.max_feedback_chars
+        return text if len(text) <= limit else text[: limit - 3] + "..."

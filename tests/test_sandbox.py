@@ -1,0 +1,293 @@
+"""Acceptance tests of the code sandbox (hetrl.envs.sandbox): each case attacks one protection and
+fails if that protection is removed; the parent (this test process) must survive all of them.
+
+Where the machine allows namespaces (a working ``unshare``, as root or in a user namespace,
+checked here independently of the sandbox), the sandbox must use them; elsewhere the cases that
+need them are skipped with the reason, and the isolation report must say what is missing.
+"""
+
+import concurrent.futures
+import errno
+import json
+import os
+import pathlib
+import select
+import shutil
+import socket
+import subprocess
+import uuid
+
+import pytest
+
+from hetrl.envs import sandbox as sb
+from hetrl.envs.sandbox import Sandbox, SandboxError, SandboxLimits
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+LIMITS = SandboxLimits(cpu_s=1, wall_s=2, memory_mb=256, max_processes=16, max_output_bytes=8192)
+
+
+def _expected_mode() -> int:
+    """1: root with namespaces; 2: namespaces inside a user namespace; 3/4: none (root / not)."""
+    unshare = shutil.which("unshare")
+    root = os.geteuid() == 0
+    if unshare is not None:
+        for mode, extra in ((1, []), (2, ["--user", "--map-root-user"])):
+            cmd = [unshare, *extra, "--net", "--pid", "--mount", "--ipc", "--fork", "true"]
+            if (mode == 2 or root) and subprocess.run(cmd, capture_output=True).returncode == 0:
+                return mode
+    return 3 if root else 4
+
+
+MODE = _expected_mode()
+needs_ns = pytest.mark.skipif(MODE > 2, reason="needs a working `unshare` (namespaces)")
+
+
+def _needs_process_limit(box: Sandbox) -> None:
+    # RLIMIT_NPROC needs a uid or a user namespace of the run's own (modes 1-3); without one a
+    # fork bomb would run as the caller, so the case is not attempted.
+    if not (box.isolation.uid or box.isolation.user_namespace):
+        pytest.skip(f"no process limit in this isolation mode: {box.isolation}")
+
+
+@pytest.fixture(scope="module")
+def box() -> Sandbox:
+    return Sandbox(LIMITS)
+
+
+def run_json(box: Sandbox, code: str, **kw) -> dict:
+    res = box.run(code, **kw)
+    assert res.ok, (res.returncode, res.killed_reason, res.stderr)
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_isolation_is_reported_and_full_where_possible(box):
+    iso = box.isolation
+    assert f"mode {iso.mode}" in iso.describe()
+    assert iso.mode == MODE
+    if MODE <= 2:
+        full = {"network", "pid_namespace", "filesystem", "uid", "no_capabilities"}
+        assert iso.active() == (full if MODE == 1 else full - {"uid"})
+        assert iso.private_proc and str(REPO / "src" / "hetrl") in iso.hidden_paths
+        assert iso.user_namespace == (MODE == 2)
+        Sandbox(LIMITS, require=["network", "filesystem"])
+    else:
+        assert "NOT" in iso.describe()
+        with pytest.raises(SandboxError):
+            Sandbox(LIMITS, require=["network"])
+    with pytest.raises(ValueError):
+        Sandbox(LIMITS, require=["teleportation"])
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mode 3 (uid drop without namespaces) needs root")
+def test_weaker_mode_is_reported_as_weaker():
+    plan = next(p for p in sb._plans() if p.mode == 3)
+    _, iso = sb._verify(plan, sb.DEFAULT_HIDDEN)
+    assert iso.uid and not iso.network and not iso.filesystem and not iso.pid_namespace
+    assert iso.hidden_paths == ()
+    assert "network: NOT isolated" in iso.describe()
+
+
+def test_runs_a_program_with_stdin_and_files(box):
+    code = "import sys\nsys.path.insert(0, '.')\nfrom pkg.mod import f\nprint(f(sys.stdin.read()))"
+    res = box.run(code, stdin="abc", files={"pkg/__init__.py": "", "pkg/mod.py": "def f(s):\n    return s[::-1]\n"})
+    assert res.ok and res.stdout == "cba\n" and res.stderr == ""
+    for bad in ("../x.py", "/etc/x", "a/../../b", "main.py", ""):
+        with pytest.raises(ValueError):
+            box.run("pass", files={bad: "x"})
+
+
+def test_infinite_loop_is_killed_at_the_cpu_limit():
+    box = Sandbox(LIMITS.model_copy(update={"wall_s": 20}))  # a generous wall limit: CPU must act
+    res = box.run("while True:\n    pass")
+    assert res.killed_reason == "cpu_time" and res.returncode != 0
+    assert LIMITS.cpu_limit_s - 0.1 <= res.cpu_s <= LIMITS.cpu_limit_s + 1.1 and res.wall_s < 20
+
+
+def test_sleeper_is_killed_at_the_wall_limit(box):
+    res = box.run("import time\nprint('start', flush=True)\ntime.sleep(60)")
+    assert res.timed_out and res.killed_reason == "wall_time" and res.stdout == "start\n"
+    assert LIMITS.wall_s <= res.wall_s < LIMITS.wall_s + 1.5
+
+
+def test_process_limit_caps_forking(box):
+    _needs_process_limit(box)
+    code = """
+import os, time, json
+n = 0
+for _ in range(200):
+    try:
+        pid = os.fork()
+    except OSError as exc:
+        err = exc.errno
+        break
+    if pid == 0:
+        time.sleep(30)
+        os._exit(0)
+    n += 1
+print(json.dumps({"forked": n, "errno": err}))
+"""
+    out = run_json(box, code)
+    assert out["errno"] == errno.EAGAIN and out["forked"] < LIMITS.max_processes
+
+
+def test_fork_bomb_is_contained_and_cleaned_up(box):
+    _needs_process_limit(box)
+    code = """
+import os
+print(os.getuid(), flush=True)
+while True:
+    try:
+        if os.fork() == 0:
+            os.setsid()  # try to escape the process group
+    except OSError:
+        pass
+"""
+    res = box.run(code)
+    assert res.killed_reason in ("wall_time", "cpu_time")
+    if box.isolation.uid:
+        uid = int(res.stdout.split()[0])
+        assert uid != os.getuid() and sb._uid_processes(uid) == []
+    assert box.run("print('alive')").stdout == "alive\n"
+
+
+def test_memory_hog_fails_under_the_memory_limit(box):
+    res = box.run("x = bytearray(1 << 30)\nprint('allocated 1 GiB')")
+    assert res.returncode != 0 and "allocated" not in res.stdout
+    assert "MemoryError" in res.stderr or res.killed_reason is not None
+    assert box.run("x = bytearray(32 << 20)\nprint(len(x))").stdout == f"{32 << 20}\n"
+
+
+def test_file_size_limit():
+    box = Sandbox(LIMITS.model_copy(update={"max_file_mb": 1}))
+    res = box.run("open('big', 'wb').write(b'x' * (4 << 20))")
+    assert res.returncode != 0 and "File too large" in res.stderr
+
+
+@needs_ns
+def test_cannot_write_outside_its_directory(box):
+    tag = uuid.uuid4().hex
+    targets = [f"/tmp/hetrl-escape-{tag}", str(REPO / f"escape-{tag}"), f"/root/escape-{tag}",
+               f"/dev/shm/escape-{tag}", f"/var/tmp/escape-{tag}"]
+    code = f"""
+import json, os
+out = {{}}
+for path in {targets!r} + ["inside.txt"]:
+    try:
+        with open(path, "w") as fh:
+            fh.write("x")
+        out[path] = "written"
+    except OSError as exc:
+        out[path] = exc.errno
+print(json.dumps(out))
+"""
+    out = run_json(box, code)
+    assert out.pop("inside.txt") == "written"
+    assert all(v in (errno.EROFS, errno.EACCES, errno.EPERM) for v in out.values()), out
+    assert not any(os.path.exists(t) for t in targets)
+
+
+@needs_ns
+def test_no_network(box):
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(4)
+    port = server.getsockname()[1]
+    code = f"""
+import json, socket
+out = {{}}
+for host, port in [("127.0.0.1", {port}), ("1.1.1.1", 53), ("8.8.8.8", 443)]:
+    try:
+        socket.create_connection((host, port), timeout=1).close()
+        out[host] = "connected"
+    except OSError as exc:
+        out[host] = exc.errno
+print(json.dumps(out))
+"""
+    try:
+        out = run_json(box, code)
+        assert select.select([server], [], [], 0.2)[0] == [], "the sandbox reached the parent's port"
+    finally:
+        server.close()
+    assert set(out.values()) == {errno.ENETUNREACH}, out
+
+
+def test_parent_environment_is_invisible(box, monkeypatch):
+    secret = "hetrl-secret-" + uuid.uuid4().hex
+    monkeypatch.setenv("HETRL_TEST_SECRET", secret)
+    code = f"""
+import glob, json, os
+print(json.dumps(dict(os.environ)))
+for path in glob.glob("/proc/*/environ") + ["/proc/{os.getpid()}/environ", "/proc/{os.getppid()}/environ"]:
+    try:
+        print(path, open(path, "rb").read())
+    except OSError as exc:
+        print(path, exc)
+"""
+    res = box.run(code)
+    assert res.ok and "PATH" in res.stdout
+    env = json.loads(res.stdout.splitlines()[0])
+    assert set(env) <= {"PATH", "LANG", "LC_ALL", "HOME", "TMPDIR"} and secret not in str(env)
+    if box.isolation.uid or box.isolation.private_proc:  # else /proc/<parent>/environ is readable
+        assert secret not in res.stdout and secret not in res.stderr
+
+
+@needs_ns
+def test_hidden_task_data_and_privileges(box):
+    code = f"""
+import json, os
+out = {{"uid": os.getuid(), "listing": os.listdir({str(REPO / 'src' / 'hetrl')!r})}}
+with open("/proc/self/status") as fh:
+    out["cap_eff"] = next(l for l in fh if l.startswith("CapEff:")).split()[1]
+try:
+    os.setuid(0)
+    out["setuid"] = "ok"
+except OSError as exc:
+    out["setuid"] = exc.errno
+print(json.dumps(out))
+"""
+    out = run_json(box, code)
+    assert out["listing"] == [] and int(out["cap_eff"], 16) == 0
+    if MODE == 1:
+        assert out["uid"] != 0 and out["setuid"] == errno.EPERM
+
+
+def test_large_output_is_truncated(box):
+    res = box.run("import sys\nfor _ in range(200):\n    sys.stdout.write('y' * 65536)\nsys.stderr.write('e' * 100000)")
+    assert res.ok and res.stdout_truncated and res.stderr_truncated
+    assert res.stdout == "y" * LIMITS.max_output_bytes and len(res.stderr) == LIMITS.max_output_bytes
+
+
+def test_concurrent_runs_in_threads(box):
+    code = "import os, sys\nn = int(sys.stdin.read())\nprint(n * n, open('data.txt').read(), os.getuid())"
+
+    def one(i: int):
+        return i, box.run(code, stdin=str(i), files={"data.txt": f"item-{i}"})
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(8)))
+    uids = set()
+    for i, res in results:
+        assert res.ok, res
+        square, item, uid = res.stdout.split()
+        assert (int(square), item) == (i * i, f"item-{i}")
+        uids.add(uid)
+    if box.isolation.uid:
+        assert len(uids) > 1  # dedicated uids, not one shared by concurrent runs
+
+
+def test_run_directory_is_removed(box):
+    res = box.run("import os\nopen('f.txt', 'w').write('x')\nos.mkdir('d')\nos.chmod('d', 0)\nprint(os.getcwd())")
+    workdir = res.stdout.strip()
+    assert res.ok and workdir.startswith(os.path.realpath(os.path.dirname(workdir)))
+    assert not os.path.exists(workdir)
+    res = box.run("import os, time\nprint(os.getcwd(), flush=True)\ntime.sleep(60)")
+    assert res.timed_out and not os.path.exists(res.stdout.strip())
+
+
+def test_failed_setup_is_an_error_and_runs_nothing(tmp_path):
+    # Asked to prepare mounts without a mount namespace, the launcher refuses (fails closed).
+    marker = tmp_path / "ran"
+    plan = sb._Plan(1, (), True, False, False, sb._interpreters())
+    with pytest.raises(SandboxError, match="mount namespace"):
+        sb._Runner(plan, LIMITS, ()).run(f"open({str(marker)!r}, 'w')", "", {})
+    assert not marker.exists()
