@@ -1,0 +1,385 @@
+"""Typed run configuration: YAML files in ``configs/``, dotted command-line overrides, clear errors.
+
+A :class:`RunConfig` has the sections ``model``, ``trainer`` (a discriminated union on ``kind``:
+``jax`` | ``megatron``), ``fleet`` (:class:`hetrl.samplers.fleet.FleetConfig`), ``correction``
+(a preset of :data:`hetrl.core.correction.PRESETS` plus threshold overrides), ``async``
+(group and batch sizes, sampling, ``max_staleness``, weight-update mode), ``environment``,
+``logging`` and ``checkpointing``. Every model forbids unknown keys, so a typo fails naming it.
+
+Ownership: each setting lives in exactly one section. The correction is configured only in
+``correction`` and checkpoints only in ``checkpointing``; the trainer sections hold the
+backend's own settings, and :meth:`RunConfig.jax_trainer_config` composes the full
+:class:`hetrl.trainer_jax.config.JaxTrainerConfig` from them.
+
+:func:`load_config` reads a YAML file, applies overrides ``a.b[0].c=value`` (the value parsed as
+YAML, so ``2``, ``0.5``, ``true``, ``null``, ``[0.5, 2.0]`` are typed) and validates. Any
+problem raises :class:`ConfigError` whose message names the dotted key, e.g.
+``fleet.pools[3].weight_precision: Value error, accelerator 'a100' does not run weight format
+'fp8_e4m3' natively``. :meth:`RunConfig.to_yaml` prints the resolved config (defaults filled,
+correction thresholds resolved); loading that output gives the same config.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+from typing import Annotated, Any, Literal, Sequence, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+
+from hetrl.core.correction import CorrectionConfig, correction_preset
+from hetrl.core.schema import SamplingParams
+from hetrl.samplers.fleet import FleetConfig
+from hetrl.trainer_jax.config import (
+    CheckpointConfig,
+    DistributedConfig,
+    JaxTrainerConfig,
+    MeshConfig,
+    OptimizerConfig,
+    PromptDataConfig,
+)
+
+__all__ = [
+    "ConfigError", "ModelSection", "JaxTrainerSection", "MegatronOptimizer", "MegatronTrainerSection",
+    "TrainerSection", "CorrectionSection", "AsyncSection", "EnvironmentSection", "LoggingSection",
+    "CheckpointingSection", "RunConfig", "CONFIG_DIR", "load_config", "validate_config", "apply_override",
+    "resolve_config_path",
+]
+
+CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
+"""The repository's ``configs/`` directory (bare config names are looked up there)."""
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the file and the dotted key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+# ====================================================================== sections
+class ModelSection(_Strict):
+    """The policy checkpoint: ``tiny`` (a tiny Qwen built on the fly by :mod:`hetrl.models.tiny`
+    with ``seed``) or ``path`` (an HF checkpoint directory); exactly one."""
+
+    tiny: Literal["qwen3", "qwen2"] | None = None
+    seed: int = Field(0, ge=0)
+    path: str | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> "ModelSection":
+        if (self.tiny is None) == (self.path is None):
+            raise ValueError("set exactly one of 'tiny' (a tiny model built on the fly) or 'path' (an HF checkpoint)")
+        return self
+
+    def materialize(self, cache_dir: str | pathlib.Path) -> pathlib.Path:
+        """The checkpoint directory: ``path``, or the tiny checkpoint built (once) under
+        ``cache_dir``."""
+        if self.path is not None:
+            return pathlib.Path(self.path)
+        from hetrl.models.tiny import TINY_QWEN2, TINY_QWEN3, build_tiny_checkpoint
+
+        target = pathlib.Path(cache_dir) / f"tiny-{self.tiny}-seed{self.seed}"
+        if not (target / "config.json").exists():
+            build_tiny_checkpoint(target, TINY_QWEN3 if self.tiny == "qwen3" else TINY_QWEN2, seed=self.seed)
+        return target
+
+
+class JaxTrainerSection(_Strict):
+    """The JAX trainer's own settings (those of :class:`JaxTrainerConfig` not owned by another
+    section; ``data.batch_size`` is set from ``async.batch_groups``)."""
+
+    kind: Literal["jax"] = "jax"
+    compute_dtype: Literal["bf16", "fp32"] = "bf16"
+    mesh: MeshConfig = MeshConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    normalize_advantage_std: bool = False
+    data: PromptDataConfig = PromptDataConfig()
+    distributed: DistributedConfig = DistributedConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _owned_elsewhere(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("data"), dict) and "batch_size" in data["data"]:
+            raise ValueError("data.batch_size is set by async.batch_groups; remove it here")
+        return data
+
+
+class MegatronOptimizer(_Strict):
+    """AdamW on megatron's schedule; the same fields and meaning as
+    ``hetrl.trainer_megatron.trainer.OptimizerSettings`` (kept torch-free here)."""
+
+    learning_rate: float = Field(1e-6, gt=0.0)
+    min_learning_rate: float = Field(0.0, ge=0.0)
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    decay_steps: int | None = Field(None, gt=0)
+    b1: float = Field(0.9, ge=0.0, lt=1.0)
+    b2: float = Field(0.999, ge=0.0, lt=1.0)
+    eps: float = Field(1e-8, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    grad_clip: float | None = Field(1.0, gt=0.0)
+    distributed: bool = Field(False, description="distributed optimizer (state sharded over data-parallel ranks)")
+
+    @model_validator(mode="after")
+    def _schedule(self) -> "MegatronOptimizer":
+        if self.min_learning_rate > self.learning_rate:
+            raise ValueError("min_learning_rate must not exceed learning_rate")
+        if self.schedule != "constant" and (self.decay_steps is None or self.decay_steps <= self.warmup_steps):
+            raise ValueError(f"schedule {self.schedule!r} needs decay_steps > warmup_steps")
+        return self
+
+
+class MegatronTrainerSection(_Strict):
+    """The Megatron trainer's settings (a stub of the run-config side: validated here, mapped to
+    ``hetrl.trainer_megatron.trainer.MegatronTrainerConfig`` by the orchestrator, which imports
+    torch). Parallel sizes: ``tensor x pipeline x data`` = world size; ``data_parallel = -1``
+    takes every rank left over. ``bf16``: BF16 parameters and activations with FP32 master
+    weights; False: FP32. ``micro_batch_size``: rows per forward/backward (None: all local rows)."""
+
+    kind: Literal["megatron"] = "megatron"
+    bf16: bool = True
+    tensor_parallel: int = Field(1, ge=1)
+    pipeline_parallel: int = Field(1, ge=1)
+    data_parallel: int = Field(-1, ge=-1)
+    micro_batch_size: int | None = Field(None, gt=0)
+    optimizer: MegatronOptimizer = MegatronOptimizer()
+    normalize_advantage_std: bool = False
+    kernel_fusion: bool = False
+
+    @model_validator(mode="after")
+    def _dp(self) -> "MegatronTrainerSection":
+        if self.data_parallel == 0:
+            raise ValueError("data_parallel must be >= 1 or -1 (all ranks left over)")
+        return self
+
+
+TrainerSection = Annotated[Union[JaxTrainerSection, MegatronTrainerSection], Field(discriminator="kind")]
+
+_CorrectionFields = create_model(
+    "_CorrectionFields", __base__=_Strict,
+    **{name: (info.annotation | None, Field(None, description=info.description))
+       for name, info in CorrectionConfig.model_fields.items()},
+)
+
+
+class CorrectionSection(_CorrectionFields):  # type: ignore[misc, valid-type]
+    """``preset`` (a name in :data:`PRESETS`) plus any :class:`CorrectionConfig` field given
+    explicitly as an override (an omitted field keeps the preset's value; ``null`` sets None)."""
+
+    preset: str = "hetrl"
+
+    @property
+    def overrides(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.model_fields_set - {"preset"}}
+
+    def resolve(self) -> CorrectionConfig:
+        return correction_preset(self.preset, **self.overrides)
+
+    @model_validator(mode="after")
+    def _resolves(self) -> "CorrectionSection":
+        try:
+            self.resolve()
+        except ValidationError as err:  # re-raised as a plain error so the location stays `correction`
+            raise ValueError("; ".join(f"{'.'.join(map(str, e['loc'])) or self.preset}: {e['msg']}"
+                                       for e in err.errors())) from None
+        return self
+
+
+class AsyncSection(_Strict):
+    """The asynchronous loop. A step trains ``batch_groups`` groups of ``group_size`` rollouts
+    (one prompt each). No trained group is older than ``max_staleness`` weight versions;
+    ``stale_policy`` drops or regenerates older ones. ``weight_update``: pools load new weights
+    ``between_requests`` (in-flight requests finish on the old ones) or ``abort`` in-flight
+    requests and resample them on the new ones."""
+
+    group_size: int = Field(4, ge=1)
+    batch_groups: int = Field(8, ge=1)
+    max_staleness: int = Field(1, ge=0)
+    stale_policy: Literal["drop", "regenerate"] = "drop"
+    weight_update: Literal["between_requests", "abort"] = "between_requests"
+    max_new_tokens: int = Field(64, ge=1)
+    sampling: SamplingParams = SamplingParams()
+
+
+class EnvironmentSection(_Strict):
+    """The task environment: ``name`` (e.g. ``synthetic`` or ``coding``) and its ``options``
+    (passed to the environment's constructor, which validates them)."""
+
+    name: str = Field("synthetic", min_length=1)
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class LoggingSection(_Strict):
+    """Metrics every ``every`` steps to the console and/or a JSON-lines file ``jsonl_path``."""
+
+    every: int = Field(1, ge=1)
+    console: bool = True
+    jsonl_path: str | None = None
+    level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+class CheckpointingSection(CheckpointConfig):
+    """Trainer checkpoints (see :class:`CheckpointConfig`); ``resume`` restarts from the newest
+    one in ``directory`` (with the rollout buffer's snapshot)."""
+
+    resume: bool = False
+
+
+class RunConfig(_Strict):
+    """A whole run: ``steps`` trainer steps seeded by ``seed``, outputs under ``output_dir``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    name: str = Field("run", min_length=1)
+    seed: int = Field(0, ge=0)
+    steps: int = Field(100, ge=1)
+    output_dir: str = "runs"
+    model: ModelSection
+    trainer: TrainerSection = JaxTrainerSection()
+    fleet: FleetConfig
+    correction: CorrectionSection = CorrectionSection()
+    async_: AsyncSection = Field(AsyncSection(), alias="async")
+    environment: EnvironmentSection = EnvironmentSection()
+    logging: LoggingSection = LoggingSection()
+    checkpointing: CheckpointingSection = CheckpointingSection()
+
+    def jax_trainer_config(self) -> JaxTrainerConfig:
+        """The full :class:`JaxTrainerConfig` of a ``kind: jax`` trainer."""
+        t = self.trainer
+        if not isinstance(t, JaxTrainerSection):
+            raise ConfigError(f"trainer.kind is {t.kind!r}, not 'jax'")
+        c = self.checkpointing
+        return JaxTrainerConfig(
+            compute_dtype=t.compute_dtype, mesh=t.mesh, optimizer=t.optimizer,
+            correction_preset=self.correction.preset, correction_overrides=self.correction.overrides,
+            normalize_advantage_std=t.normalize_advantage_std,
+            checkpoint=CheckpointConfig(directory=c.directory, every=c.every, keep=c.keep, async_save=c.async_save),
+            data=t.data.model_copy(update={"batch_size": self.async_.batch_groups}), distributed=t.distributed,
+        )
+
+    def resolved(self) -> dict[str, Any]:
+        """Plain data of the resolved config: every default filled in, the correction section
+        with all thresholds of its preset + overrides (fields owned by another section left
+        out), so that validating it again gives an equal config."""
+        data = self.model_dump(mode="json", by_alias=True)
+        if data["trainer"]["kind"] == "jax":
+            del data["trainer"]["data"]["batch_size"]  # owned by async.batch_groups
+        data["correction"] = {"preset": self.correction.preset, **self.correction.resolve().model_dump(mode="json")}
+        return data
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.resolved(), sort_keys=False, default_flow_style=None)
+
+
+# ====================================================================== loading
+_KEY = r"[^.\[\]=\s]+"
+_PATH = re.compile(rf"{_KEY}(?:\.{_KEY}|\[\d+\])*")
+_TOKEN = re.compile(rf"({_KEY})|\[(\d+)\]")
+
+
+def _parse_path(path: str) -> list[str | int]:
+    """``a.b[0].c`` -> ``['a', 'b', 0, 'c']``; raises ConfigError on a malformed path."""
+    if not _PATH.fullmatch(path):
+        raise ConfigError(f"override key {path!r} is malformed (expected e.g. fleet.pools[0].replicas)")
+    return [m.group(1) if m.group(1) is not None else int(m.group(2)) for m in _TOKEN.finditer(path)]
+
+
+def _format_path(parts: Sequence[str | int]) -> str:
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
+
+
+def apply_override(data: dict[str, Any], override: str) -> None:
+    """Apply ``key=value`` to the raw config ``data`` in place. ``key`` is dotted with list
+    indices (``fleet.pools[0].replicas``); missing maps on the way are created; an index must
+    exist or equal the list's length (append). ``value`` is parsed as YAML."""
+    key, sep, raw = override.partition("=")
+    if not sep:
+        raise ConfigError(f"override {override!r} must look like key=value")
+    parts = _parse_path(key.strip())
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {key}: value {raw!r} is not valid YAML: {err}") from None
+    node: Any = data
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        where = _format_path(parts[: i + 1])
+        if isinstance(part, int):
+            if not isinstance(node, list):
+                raise ConfigError(f"override {where}: {_format_path(parts[:i])} is not a list")
+            if part > len(node):
+                raise ConfigError(f"override {where}: index out of range (the list has {len(node)} items)")
+            if part == len(node):
+                node.append(value if last else ({} if isinstance(parts[i + 1], str) else []))
+            elif last:
+                node[part] = value
+        else:
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {where}: {_format_path(parts[:i])} is not a map")
+            if last:
+                node[part] = value
+            elif part not in node or node[part] is None:
+                node[part] = {} if isinstance(parts[i + 1], str) else []
+        if not last:
+            node = node[part]
+
+
+def _error_key(loc: Sequence[str | int], raw: Any) -> str:
+    """The dotted key of a pydantic error location, walking the raw data so that the union tag
+    pydantic inserts (``trainer.jax.mesh`` for ``trainer: {kind: jax, mesh: ...}``) is dropped."""
+    parts: list[str | int] = []
+    node = raw
+    for p in loc:
+        if isinstance(node, dict) and isinstance(p, str) and p not in node and node.get("kind") == p:
+            continue
+        parts.append(p)
+        if isinstance(node, dict):
+            node = node.get(p)
+        elif isinstance(node, list) and isinstance(p, int) and p < len(node):
+            node = node[p]
+        else:
+            node = None
+    return _format_path(parts) or "<root>"
+
+
+def validate_config(data: Any, source: str = "<config>") -> RunConfig:
+    """Validate raw config data; raise :class:`ConfigError` naming every bad key."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the config must be a map, got {type(data).__name__}")
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        lines = [f"{_error_key(e['loc'], data)}: {e['msg']}" for e in err.errors()]
+        raise ConfigError(f"{source}: invalid config:\n  " + "\n  ".join(lines)) from None
+
+
+def resolve_config_path(name: str | pathlib.Path) -> pathlib.Path:
+    """``name`` if it exists, else ``configs/<name>`` (``.yaml`` optional) in the repository."""
+    path = pathlib.Path(name)
+    if path.exists():
+        return path
+    for candidate in (CONFIG_DIR / path.name, CONFIG_DIR / f"{path.name}.yaml"):
+        if path.parent == pathlib.Path(".") and candidate.exists():
+            return candidate
+    raise ConfigError(f"config file {str(name)!r} not found (nor in {CONFIG_DIR})")
+
+
+def load_config(path: str | pathlib.Path, overrides: Sequence[str] = ()) -> RunConfig:
+    """Read the YAML config at ``path`` (see :func:`resolve_config_path`), apply ``overrides``
+    in order, validate."""
+    file = resolve_config_path(path)
+    try:
+        data = yaml.safe_load(file.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{file}: not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{file}: the config must be a map, got {type(data).__name__}")
+    for o in overrides:
+        apply_override(data, o)
+    return validate_config(data, str(file))

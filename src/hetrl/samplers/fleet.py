@@ -1,0 +1,496 @@
+"""The sampler fleet: pools of replicas, capacity routing, re-queueing, metrics and cost (DESIGN §4-5).
+
+A **pool** (:class:`PoolConfig`) is ``name``, ``engine`` (``embedded | sglang | sglang-jax``),
+an accelerator profile with weight and KV formats (validated natively:
+:class:`hetrl.samplers.profiles.SamplerNumerics`), ``replicas`` and, for server engines, one
+endpoint per replica. A :class:`Fleet` holds a :class:`Replica` (a :class:`Sampler` plus its
+bookkeeping) per pool replica.
+
+**Jobs.** The unit of routing is a *job*: the requests of one prompt (the G samples of a group,
+or one turn of them), generated together by one replica, so a group comes from one pool.
+:meth:`Fleet.submit` queues jobs FIFO.
+
+**Routing and pacing.** Queued jobs are assigned, in order, to the alive replica with the
+smallest load ``(assigned requests + job size) / capacity``, where ``capacity`` is the pool's
+relative decode throughput (profile x weight format; per replica, so a pool's share is
+throughput x replicas). A replica holds at most ``slots = max(1, round(max_batch · capacity /
+max capacity))`` assigned requests (a job larger than that only goes to an idle replica);
+whatever does not fit waits in the queue. So a slow pool gets work in proportion to its speed,
+never more than it can finish in about the time a fast one finishes a full batch, which keeps
+the staleness of its rollouts bounded, and it is never starved: it receives a job whenever it
+has a free slot.
+
+**Serving.** Each replica's worker (a thread of the orchestrator, or :meth:`Fleet.generate`)
+calls :meth:`Fleet.serve_once`: load the newest published weights if the replica's are older
+(weights change only between calls, so weight versions are monotone per replica and per pool),
+check ``health()``, take assigned jobs (up to ``max_batch`` requests; at least one job), call
+``generate`` once, and return a :class:`JobResult` per job.
+
+**Failure.** A replica that raises, reports unhealthy, or returns generations that do not
+match its requests one to one is marked dead; every job assigned to it (in flight or waiting)
+goes back to the front of the queue, in order, and is routed elsewhere. A dead replica never
+serves again, so a job is attempted at most once per replica and is delivered exactly once.
+
+**Metrics** (:meth:`Fleet.metrics`), per pool under ``pool/<name>/``: ``requests`` (completed),
+``jobs``, ``tokens`` (generated), ``errors``, ``requeues`` (jobs sent back), ``busy_s``
+(summed busy time of the replicas: wall time of ``generate`` calls, or modelled from tokens and
+throughput, see :class:`FleetConfig`), ``replicas_alive``; mismatch metrics
+aggregated over training steps (:meth:`Fleet.record_mismatch`); cost ``cost/usd =
+price_per_hour x accelerators_per_replica x busy hours``, ``trained_tokens``
+(:meth:`Fleet.record_trained`) and ``cost/usd_per_trained_token``; fleet totals under
+``fleet/``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Mapping, Sequence
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from hetrl.samplers.base import Generation, GenerationRequest, Sampler
+from hetrl.samplers.profiles import CATALOGUE, SamplerNumerics, get_profile
+
+__all__ = ["Engine", "PoolConfig", "FleetConfig", "Replica", "JobResult", "Fleet", "FleetError", "SamplerFactory"]
+
+Engine = Literal["embedded", "sglang", "sglang-jax"]
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+class PoolConfig(BaseModel):
+    """One pool of identical replicas. ``weight_precision`` / ``kv_precision`` default to the
+    profile's defaults and must be native to ``accelerator``; ``price_per_hour_usd`` and
+    ``relative_throughput`` override the profile's (per accelerator). ``endpoints`` (server
+    engines only) lists one server URL per replica; ``sglang-jax`` runs on TPU kinds,
+    ``sglang`` on GPU kinds."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(description="pool name, used in metric keys and SamplerInfo.pool")
+    engine: Engine = "embedded"
+    accelerator: str = Field(description="profile kind: " + ", ".join(CATALOGUE))
+    weight_precision: str | None = None
+    kv_precision: str | None = None
+    replicas: int = Field(1, ge=1)
+    accelerators_per_replica: int = Field(1, ge=1, description="accelerators one replica occupies (cost)")
+    endpoints: tuple[str, ...] = ()
+    price_per_hour_usd: float | None = Field(None, ge=0.0, allow_inf_nan=False)
+    relative_throughput: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _NAME.match(v):
+            raise ValueError(f"pool name {v!r} must match {_NAME.pattern} (it is used in metric keys)")
+        return v
+
+    @field_validator("accelerator")
+    @classmethod
+    def _kind(cls, v: str) -> str:
+        if v not in CATALOGUE:
+            raise ValueError(f"unknown accelerator kind {v!r}; known kinds: {', '.join(CATALOGUE)}")
+        return v
+
+    @field_validator("weight_precision", "kv_precision")
+    @classmethod
+    def _native(cls, v: str | None, info: ValidationInfo) -> str | None:
+        kind = info.data.get("accelerator")
+        if v is None or kind is None:
+            return v
+        profile = CATALOGUE[kind]
+        native = profile.weight_formats if info.field_name == "weight_precision" else profile.kv_formats
+        if v not in native:
+            what = "weight" if info.field_name == "weight_precision" else "KV-cache"
+            raise ValueError(f"accelerator {kind!r} does not run {what} format {v!r} natively "
+                             f"(native: {', '.join(native)})")
+        return v
+
+    @model_validator(mode="after")
+    def _engine(self) -> "PoolConfig":
+        tpu = self.accelerator.startswith("tpu")
+        if self.engine == "embedded" and self.endpoints:
+            raise ValueError(f"pool {self.name!r}: embedded pools take no endpoints")
+        if self.engine != "embedded" and len(self.endpoints) != self.replicas:
+            raise ValueError(f"pool {self.name!r}: engine {self.engine!r} needs one endpoint per replica "
+                             f"({self.replicas} replicas, {len(self.endpoints)} endpoints)")
+        if self.engine == "sglang-jax" and not tpu:
+            raise ValueError(f"pool {self.name!r}: engine 'sglang-jax' serves TPUs, not {self.accelerator!r}")
+        if self.engine == "sglang" and tpu:
+            raise ValueError(f"pool {self.name!r}: engine 'sglang' serves GPUs; use 'sglang-jax' for {self.accelerator!r}")
+        return self
+
+    def numerics(self) -> SamplerNumerics:
+        """The pool's :class:`SamplerNumerics` (profile with this pool's overrides applied)."""
+        overrides = {k: v for k, v in (("price_per_hour_usd", self.price_per_hour_usd),
+                                       ("relative_throughput", self.relative_throughput)) if v is not None}
+        profile = get_profile(self.accelerator, **overrides)
+        return SamplerNumerics(profile=profile, weight_format=self.weight_precision or profile.default_weight_format,
+                               kv_format=self.kv_precision or profile.default_kv_format)
+
+
+class FleetConfig(BaseModel):
+    """The pools (unique names) and ``max_batch``: the most requests one ``generate`` call of
+    the fastest replica takes (slower replicas get proportionally fewer slots).
+
+    ``cost_clock``: how a replica's busy time is measured for cost accounting. ``wall``: the
+    wall time of its ``generate`` calls (real accelerators). ``modelled``: generated tokens /
+    (``reference_tokens_per_s`` x the pool's relative throughput), i.e. the time the pool's
+    accelerator would take, for embedded pools that all run on the same CPU."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    pools: tuple[PoolConfig, ...] = Field(min_length=1)
+    max_batch: int = Field(16, ge=1)
+    cost_clock: Literal["wall", "modelled"] = "wall"
+    reference_tokens_per_s: float = Field(1000.0, gt=0.0, allow_inf_nan=False,
+                                          description="decode tokens/s of one H100-bf16 replica (modelled clock)")
+
+    @field_validator("pools")
+    @classmethod
+    def _unique(cls, pools: tuple[PoolConfig, ...]) -> tuple[PoolConfig, ...]:
+        names = [p.name for p in pools]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"pool names must be unique; repeated: {', '.join(dup)}")
+        return pools
+
+
+SamplerFactory = Callable[[PoolConfig, SamplerNumerics, int], Sampler]
+"""Builds replica ``index`` of a pool; the sampler's ``info.pool`` must be the pool's name."""
+
+
+class FleetError(RuntimeError):
+    """The fleet cannot make progress (e.g. every replica is dead while jobs are queued)."""
+
+
+@dataclass
+class _Job:
+    job_id: str
+    requests: tuple[GenerationRequest, ...]
+    attempts: int = 0
+
+
+@dataclass(frozen=True, eq=False)
+class JobResult:
+    """The generations of one job, in request order, from replica ``replica`` of ``pool``;
+    ``attempts`` counts the replicas it was sent to (1 unless re-queued)."""
+
+    job_id: str
+    pool: str
+    replica: str
+    generations: tuple[Generation, ...]
+    attempts: int
+
+
+@dataclass(eq=False)
+class Replica:
+    """One sampler of a pool and its routing state. ``key`` is ``<pool>/<index>``."""
+
+    pool: PoolConfig
+    index: int
+    sampler: Sampler
+    capacity: float
+    slots: int
+    alive: bool = True
+    weight_version: int | None = None
+    assigned: deque = field(default_factory=deque)  # jobs routed here, not yet started
+    in_flight: list = field(default_factory=list)   # jobs of the running generate call
+    busy_s: float = 0.0
+
+    @property
+    def key(self) -> str:
+        return f"{self.pool.name}/{self.index}"
+
+    @property
+    def load(self) -> int:
+        """Requests assigned or in flight."""
+        return sum(len(j.requests) for j in self.assigned) + sum(len(j.requests) for j in self.in_flight)
+
+
+@dataclass
+class _PoolStats:
+    requests: int = 0
+    jobs: int = 0
+    tokens: int = 0
+    errors: int = 0
+    requeues: int = 0
+    trained_tokens: int = 0
+    mismatch_sum: dict = field(default_factory=dict)  # metric -> Σ value·num_tokens
+    mismatch_max: dict = field(default_factory=dict)  # *_max metrics -> max
+    mismatch_tokens: float = 0.0
+
+
+class Fleet:
+    """Pools of replicas behind one job queue (see the module docstring). Thread-safe."""
+
+    def __init__(self, replicas: Sequence[tuple[PoolConfig, Sampler]], max_batch: int = 16,
+                 cost_clock: Literal["wall", "modelled"] = "wall", reference_tokens_per_s: float = 1000.0):
+        if not replicas:
+            raise ValueError("a fleet needs at least one replica")
+        self.max_batch = max_batch
+        self.cost_clock = cost_clock
+        self.reference_tokens_per_s = reference_tokens_per_s
+        self.pools: dict[str, PoolConfig] = {}
+        self.numerics: dict[str, SamplerNumerics] = {}
+        for pool, _ in replicas:
+            if self.pools.setdefault(pool.name, pool) != pool:
+                raise ValueError(f"two different pool configs are named {pool.name!r}")
+            self.numerics[pool.name] = pool.numerics()
+        top = max(n.relative_throughput() for n in self.numerics.values())
+        self.replicas: list[Replica] = []
+        counts: dict[str, int] = {}
+        for pool, sampler in replicas:
+            if sampler.info.pool != pool.name:
+                raise ValueError(f"replica of pool {pool.name!r} reports pool {sampler.info.pool!r}")
+            cap = self.numerics[pool.name].relative_throughput()
+            index = counts[pool.name] = counts.get(pool.name, -1) + 1
+            self.replicas.append(Replica(pool, index, sampler, cap, max(1, round(max_batch * cap / top))))
+        self._by_key = {r.key: r for r in self.replicas}
+        self._stats = {name: _PoolStats() for name in self.pools}
+        self._queue: deque[_Job] = deque()
+        self._job_ids: set[str] = set()
+        self._cond = threading.Condition()
+        self._weights: tuple[int, Mapping[str, np.ndarray]] | None = None
+        self._closed = False
+        self._epoch = 0  # bumped by _wake_all: waiting serve_once calls return
+
+    @classmethod
+    def from_config(cls, config: FleetConfig, factory: SamplerFactory) -> "Fleet":
+        """Build every replica of every pool with ``factory(pool, numerics, index)``."""
+        built = [(p, factory(p, p.numerics(), i)) for p in config.pools for i in range(p.replicas)]
+        return cls(built, max_batch=config.max_batch, cost_clock=config.cost_clock,
+                   reference_tokens_per_s=config.reference_tokens_per_s)
+
+    # ------------------------------------------------------------------ submitting and weights
+    def submit(self, job_id: str, requests: Sequence[GenerationRequest]) -> None:
+        """Queue a job (the requests one replica generates together). Job ids are unique."""
+        if not requests:
+            raise ValueError(f"job {job_id!r} has no requests")
+        with self._cond:
+            if self._closed:
+                raise FleetError("fleet is closed")
+            if job_id in self._job_ids:
+                raise ValueError(f"job id {job_id!r} was already submitted")
+            self._job_ids.add(job_id)
+            self._queue.append(_Job(job_id, tuple(requests)))
+            self._dispatch_locked()
+
+    def publish_weights(self, version: int, weights: Mapping[str, np.ndarray]) -> None:
+        """Make ``weights`` (HF naming) at ``version`` current; each replica loads them before
+        its next ``generate`` call. Versions must increase."""
+        with self._cond:
+            if self._weights is not None and version <= self._weights[0]:
+                raise ValueError(f"weight version {version} is not newer than {self._weights[0]}")
+            self._weights = (version, weights)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Stop: refuse new jobs and wake every waiting :meth:`serve_once` (which returns [])."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ serving
+    def serve_once(self, replica: str | Replica, timeout: float | None = None) -> list[JobResult]:
+        """One ``generate`` call of ``replica`` over the jobs routed to it (waiting up to
+        ``timeout`` seconds for some; None: until some arrive or the fleet closes). Returns the
+        finished jobs; ``[]`` when there was nothing to do or the replica failed (its jobs
+        were re-queued and it is dead). Exactly one worker may serve a replica."""
+        r = replica if isinstance(replica, Replica) else self._by_key[replica]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            epoch = self._epoch
+            while r.alive and not self._closed and not r.assigned and epoch == self._epoch:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return []
+                self._cond.wait(remaining)
+            if not r.alive or self._closed or not r.assigned:
+                return []
+            weights = self._weights
+        try:
+            if weights is not None and weights[0] != r.weight_version:
+                r.sampler.update_weights(weights[0], weights[1])
+                r.weight_version = weights[0]
+            health = r.sampler.health()
+            if not health.healthy:
+                raise FleetError(f"replica {r.key} is unhealthy: {health.detail}")
+        except Exception:
+            self._fail(r)
+            return []
+        with self._cond:
+            if r.in_flight:
+                raise RuntimeError(f"replica {r.key} is already generating: one worker per replica")
+            batch, size = [], 0
+            while r.assigned and (not batch or size + len(r.assigned[0].requests) <= self.max_batch):
+                job = r.assigned.popleft()
+                job.attempts += 1
+                batch.append(job)
+                size += len(job.requests)
+            r.in_flight = batch
+        requests = [q for job in batch for q in job.requests]
+        start = time.monotonic()
+        try:
+            generations = list(r.sampler.generate(requests))
+            if [g.request_id for g in generations] != [q.request_id for q in requests]:
+                raise FleetError(f"replica {r.key} returned generations that do not match its requests")
+        except Exception:
+            if self.cost_clock == "wall":
+                r.busy_s += time.monotonic() - start
+            self._fail(r)
+            return []
+        tokens = sum(int(g.token_ids.shape[0]) for g in generations)
+        elapsed = (time.monotonic() - start if self.cost_clock == "wall"
+                   else tokens / (self.reference_tokens_per_s * r.capacity))
+        results, i = [], 0
+        for job in batch:
+            gens = tuple(generations[i: i + len(job.requests)])
+            i += len(job.requests)
+            results.append(JobResult(job.job_id, r.pool.name, r.key, gens, job.attempts))
+        with self._cond:
+            r.busy_s += elapsed
+            r.in_flight = []
+            stats = self._stats[r.pool.name]
+            stats.jobs += len(batch)
+            stats.requests += len(requests)
+            stats.tokens += tokens
+            self._dispatch_locked()
+        return results
+
+    def generate(self, jobs: Mapping[str, Sequence[GenerationRequest]], timeout: float | None = None) -> dict[str, JobResult]:
+        """Submit ``jobs`` and serve them with one thread per alive replica until every job is
+        done. Raises :class:`FleetError` if every replica dies first or ``timeout`` passes."""
+        for job_id, requests in jobs.items():
+            self.submit(job_id, requests)
+        done: dict[str, JobResult] = {}
+        finished = threading.Event()
+        lock = threading.Lock()
+
+        def work(r: Replica) -> None:
+            while r.alive and not finished.is_set():
+                for res in self.serve_once(r, timeout=0.05):
+                    with lock:
+                        done[res.job_id] = res
+                        if len(done) == len(jobs):
+                            finished.set()
+
+        threads = [threading.Thread(target=work, args=(r,), daemon=True) for r in self.replicas if r.alive]
+        for t in threads:
+            t.start()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not finished.wait(0.05):
+            if not any(t.is_alive() for t in threads):
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                break
+        finished.set()
+        self._wake_all()
+        for t in threads:
+            t.join()
+        if len(done) != len(jobs):
+            raise FleetError(f"{len(jobs) - len(done)} of {len(jobs)} jobs unfinished "
+                             f"({sum(r.alive for r in self.replicas)} replicas alive)")
+        return done
+
+    # ------------------------------------------------------------------ accounting
+    def record_trained(self, pool: str, tokens: int) -> None:
+        """Count ``tokens`` trainable tokens of ``pool``'s rollouts that the trainer consumed."""
+        with self._cond:
+            self._stats[pool].trained_tokens += int(tokens)
+
+    def record_mismatch(self, metrics: Mapping[str, Any]) -> None:
+        """Fold one step's ``pool/<name>/mismatch/<metric>`` values (from
+        :func:`hetrl.core.correction.mismatch_metrics`; 0-d arrays of any namespace or floats)
+        into running per-pool aggregates: means weighted by the step's ``num_tokens`` of that
+        pool, maxima for ``*_max`` metrics. Other keys, and pools with no tokens, are ignored."""
+        per_pool: dict[str, dict[str, float]] = {}
+        for key, value in metrics.items():
+            parts = key.split("/")
+            if len(parts) >= 4 and parts[0] == "pool" and parts[2] == "mismatch" and parts[1] in self._stats:
+                per_pool.setdefault(parts[1], {})["/".join(parts[3:])] = float(value)
+        with self._cond:
+            for pool, values in per_pool.items():
+                n = values.pop("num_tokens", 0.0)
+                if n <= 0:
+                    continue
+                s = self._stats[pool]
+                s.mismatch_tokens += n
+                for k, v in values.items():
+                    if k.endswith("_max"):
+                        s.mismatch_max[k] = max(s.mismatch_max.get(k, -math.inf), v)
+                    else:
+                        s.mismatch_sum[k] = s.mismatch_sum.get(k, 0.0) + v * n
+
+    def cost_usd(self, pool: str) -> float:
+        """``price_per_hour x accelerators_per_replica x busy hours``, summed over the pool's replicas."""
+        price = self.numerics[pool].cost_per_hour() * self.pools[pool].accelerators_per_replica
+        with self._cond:
+            return price * sum(r.busy_s for r in self.replicas if r.pool.name == pool) / 3600.0
+
+    def metrics(self) -> dict[str, float]:
+        """Flat per-pool and fleet-total metrics (see the module docstring)."""
+        out: dict[str, float] = {}
+        totals = {"requests": 0.0, "jobs": 0.0, "tokens": 0.0, "errors": 0.0, "requeues": 0.0, "busy_s": 0.0,
+                  "replicas_alive": 0.0, "trained_tokens": 0.0, "cost/usd": 0.0}
+        costs = {name: self.cost_usd(name) for name in self.pools}
+        with self._cond:
+            for name, s in self._stats.items():
+                reps = [r for r in self.replicas if r.pool.name == name]
+                row = {"requests": s.requests, "jobs": s.jobs, "tokens": s.tokens, "errors": s.errors,
+                       "requeues": s.requeues, "busy_s": sum(r.busy_s for r in reps),
+                       "replicas_alive": sum(r.alive for r in reps), "trained_tokens": s.trained_tokens,
+                       "cost/usd": costs[name]}
+                for k, v in row.items():
+                    out[f"pool/{name}/{k}"] = float(v)
+                    totals[k] += float(v)
+                out[f"pool/{name}/cost/usd_per_trained_token"] = _per(costs[name], s.trained_tokens)
+                for k, v in s.mismatch_sum.items():
+                    out[f"pool/{name}/mismatch_avg/{k}"] = v / s.mismatch_tokens
+                for k, v in s.mismatch_max.items():
+                    out[f"pool/{name}/mismatch_avg/{k}"] = v
+            queued = len(self._queue)
+        out.update({f"fleet/{k}": v for k, v in totals.items()})
+        out["fleet/cost/usd_per_trained_token"] = _per(totals["cost/usd"], totals["trained_tokens"])
+        out["fleet/queued_jobs"] = float(queued)
+        return out
+
+    # ------------------------------------------------------------------ internals
+    def _wake_all(self) -> None:
+        """Make every :meth:`serve_once` that is waiting for work return ``[]`` now."""
+        with self._cond:
+            self._epoch += 1
+            self._cond.notify_all()
+
+    def _fail(self, r: Replica) -> None:
+        """Mark ``r`` dead and put its jobs back at the front of the queue, in order."""
+        with self._cond:
+            r.alive = False
+            jobs = list(r.in_flight) + list(r.assigned)
+            r.in_flight, r.assigned = [], deque()
+            stats = self._stats[r.pool.name]
+            stats.errors += 1
+            stats.requeues += len(jobs)
+            self._queue.extendleft(reversed(jobs))
+            self._dispatch_locked()
+            self._cond.notify_all()
+
+    def _dispatch_locked(self) -> None:
+        while self._queue:
+            job = self._queue[0]
+            n = len(job.requests)
+            candidates = [r for r in self.replicas if r.alive and (r.load + n <= r.slots or r.load == 0)]
+            if not candidates:
+                return
+            target = min(candidates, key=lambda r: ((r.load + n) / r.capacity, -r.capacity))
+            target.assigned.append(self._queue.popleft())
+            self._cond.notify_all()
+
+
+def _per(cost: float, tokens: float) -> float:
+    return cost / tokens if tokens > 0 else float("nan")

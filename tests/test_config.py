@@ -1,0 +1,175 @@
+"""Run configs: the shipped YAML files, dotted overrides, errors naming the key, the CLI."""
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from hetrl.cli import main
+from hetrl.config import (
+    CONFIG_DIR,
+    ConfigError,
+    JaxTrainerSection,
+    MegatronTrainerSection,
+    RunConfig,
+    apply_override,
+    load_config,
+    validate_config,
+)
+from hetrl.core.correction import PRESETS
+from hetrl.trainer_jax.config import JaxTrainerConfig
+
+SHIPPED = sorted(p.name for p in CONFIG_DIR.glob("*.yaml"))
+
+
+def test_the_four_configs_ship():
+    assert {"tiny_mixed.yaml", "tiny_homogeneous.yaml", "qwen3_b200_megatron.yaml", "qwen3_tpu_jax.yaml"} <= set(SHIPPED)
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_configs_validate_and_round_trip(name):
+    config = load_config(CONFIG_DIR / name)
+    again = validate_config(yaml.safe_load(config.to_yaml()))
+    assert again.resolved() == config.resolved()  # the printed config means the same run
+    assert again.correction.resolve() == config.correction.resolve()
+    for pool in config.fleet.pools:
+        pool.numerics()  # formats native to the accelerator
+
+
+def test_tiny_mixed_is_six_kinds_three_precisions():
+    c = load_config("tiny_mixed.yaml")
+    kinds = {p.accelerator for p in c.fleet.pools}
+    assert kinds == {"b200", "h100", "mi300x", "a100", "l40s", "tpu-v6e"}
+    assert {p.numerics().weight_format for p in c.fleet.pools} >= {"bf16", "fp8_e4m3", "fp8_e4m3fnuz", "nvfp4"}
+    assert all(p.engine == "embedded" for p in c.fleet.pools) and c.model.tiny == "qwen3"
+    assert isinstance(c.trainer, JaxTrainerSection)
+
+
+def test_tiny_homogeneous_is_b200_bf16_only():
+    c = load_config("tiny_homogeneous")
+    assert {(p.accelerator, p.numerics().weight_format, p.numerics().kv_format) for p in c.fleet.pools} == {("b200", "bf16", "bf16")}
+
+
+def test_real_cluster_examples():
+    mega = load_config("qwen3_b200_megatron.yaml")
+    assert isinstance(mega.trainer, MegatronTrainerSection) and mega.trainer.tensor_parallel == 2
+    assert {p.engine for p in mega.fleet.pools} == {"sglang"} and mega.model.path
+    tpu = load_config("qwen3_tpu_jax.yaml")
+    assert isinstance(tpu.trainer, JaxTrainerSection) and tpu.trainer.distributed.auto
+    assert {p.engine for p in tpu.fleet.pools} == {"sglang-jax"}
+
+
+def test_jax_trainer_config_is_composed_from_the_sections():
+    c = load_config("tiny_mixed.yaml", ["correction.veto_threshold=1e-4", "async.batch_groups=5",
+                                         "checkpointing.every=7"])
+    t = c.jax_trainer_config()
+    assert isinstance(t, JaxTrainerConfig)
+    assert t.correction == PRESETS["hetrl"].model_copy(update={"veto_threshold": 1e-4})
+    assert (t.data.batch_size, t.checkpoint.every, t.optimizer.learning_rate) == (5, 7, 1e-4)
+    with pytest.raises(ConfigError, match="not 'jax'"):
+        load_config("qwen3_b200_megatron.yaml").jax_trainer_config()
+
+
+# ---------------------------------------------------------------------- overrides
+def test_overrides_are_typed_and_reach_lists():
+    c = load_config("tiny_mixed.yaml", ["fleet.pools[0].replicas=3", "async.max_staleness=0", "steps=5",
+                                         "correction.token_bounds=[0.25, 4.0]", "correction.preset=mis",
+                                         "fleet.pools[6]={name: extra, accelerator: h200}",
+                                         "async.sampling.top_p=0.8", "logging.jsonl_path=null"])
+    assert c.fleet.pools[0].replicas == 3 and c.async_.max_staleness == 0 and c.steps == 5
+    assert c.correction.resolve().token_bounds == (0.25, 4.0) and c.correction.preset == "mis"
+    assert c.fleet.pools[6].name == "extra" and c.async_.sampling.top_p == 0.8 and c.logging.jsonl_path is None
+
+
+def test_switching_the_trainer_kind():
+    c = load_config("qwen3_tpu_jax.yaml", ["trainer={kind: megatron, tensor_parallel: 8}"])
+    assert isinstance(c.trainer, MegatronTrainerSection) and c.trainer.tensor_parallel == 8
+
+
+@pytest.mark.parametrize("override, message", [
+    ("steps", "must look like key=value"),
+    ("fleet..pools=1", "is malformed"),
+    ("fleet.pools[9].replicas=1", "index out of range"),
+    ("steps[0]=1", "steps is not a list"),
+    ("fleet.pools.name=x", "fleet.pools is not a map"),
+    ("steps=[1", "not valid YAML"),
+])
+def test_bad_overrides(override, message):
+    data = yaml.safe_load((CONFIG_DIR / "tiny_mixed.yaml").read_text())
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
+        apply_override(data, override)
+
+
+# ---------------------------------------------------------------------- errors name the key
+@pytest.mark.parametrize("override, key", [
+    ("fleet.pools[3].weight_precision=fp8_e4m3", "fleet.pools[3].weight_precision: Value error, accelerator 'a100' does not run weight format 'fp8_e4m3'"),
+    ("fleet.pools[0].replicaz=2", "fleet.pools[0].replicaz: Extra inputs are not permitted"),
+    ("fleet.pools[1].accelerator=v100", "fleet.pools[1].accelerator: Value error, unknown accelerator kind 'v100'"),
+    ("trainer.mesh.tensor=0", "trainer.mesh: Value error, mesh axis sizes must be positive"),
+    ("trainer.optimizer.learning_rate=-1", "trainer.optimizer.learning_rate: Input should be greater than 0"),
+    ("trainer.kind=pytorch", "trainer: Input tag 'pytorch' found using 'kind' does not match"),
+    ("trainer.tensor_parallel=2", "trainer.tensor_parallel: Extra inputs are not permitted"),
+    ("trainer.data.batch_size=4", "data.batch_size is set by async.batch_groups"),
+    ("async.max_staleness=-1", "async.max_staleness: Input should be greater than or equal to 0"),
+    ("async.stale_policy=keep", "async.stale_policy: Input should be 'drop' or 'regenerate'"),
+    ("async.sampling.top_p=1.5", "async.sampling.top_p: Input should be less than or equal to 1"),
+    ("correction.preset=magic", "correction: Value error, unknown correction preset 'magic'"),
+    ("correction.veto_threshold=-1", "correction: Value error, veto_threshold: Input should be greater than 0"),
+    ("correction.token_bounds=[2, 1]", "token_bounds must satisfy 0 <= L <= U"),
+    ("model.path=/x", "model: Value error, set exactly one of 'tiny'"),
+    ("fleet.pools[1].name=b200-nvfp4", "fleet.pools: Value error, pool names must be unique"),
+    ("loging.every=2", "loging: Extra inputs are not permitted"),
+])
+def test_a_bad_value_fails_naming_the_dotted_key(override, key):
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny_mixed.yaml", [override])
+    assert key in str(err.value)
+    assert "tiny_mixed.yaml" in str(err.value)
+
+
+def test_missing_file_and_non_map():
+    with pytest.raises(ConfigError, match="not found"):
+        load_config("no_such_config.yaml")
+    with pytest.raises(ConfigError, match="must be a map"):
+        validate_config([1, 2])
+
+
+def test_defaults_are_complete():
+    c = RunConfig.model_validate({"model": {"tiny": "qwen3"}, "fleet": {"pools": [{"name": "a", "accelerator": "h100"}]}})
+    assert c.trainer.kind == "jax" and c.correction.resolve() == PRESETS["hetrl"] and c.async_.group_size == 4
+
+
+def test_tiny_model_is_materialized_once(tmp_path):
+    c = load_config("tiny_mixed.yaml")
+    path = c.model.materialize(tmp_path)
+    assert (path / "config.json").exists() and (path / "model.safetensors").exists()
+    mtime = (path / "model.safetensors").stat().st_mtime_ns
+    assert c.model.materialize(tmp_path) == path and (path / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+# ---------------------------------------------------------------------- the CLI
+def test_dry_run_prints_the_resolved_config(capsys):
+    assert main(["train", "configs/tiny_mixed.yaml", "--dry-run", "--set", "fleet.pools[0].replicas=2"]) == 0
+    out = yaml.safe_load(capsys.readouterr().out)
+    assert out["fleet"]["pools"][0]["replicas"] == 2
+    assert out["correction"]["score_centering"] is True and out["correction"]["token_bounds"] == [0.5, 2.0]
+    assert out["async"]["max_staleness"] == 2 and out["trainer"]["kind"] == "jax"
+
+
+def test_cli_bad_value_exits_nonzero_naming_the_key(capsys):
+    assert main(["train", "tiny_mixed.yaml", "--dry-run", "--set", "async.max_staleness=-3"]) == 1
+    assert "async.max_staleness" in capsys.readouterr().err
+
+
+def test_cli_without_dry_run_says_the_loop_has_not_landed(capsys):
+    assert main(["train", "tiny_homogeneous.yaml", "--trainer", "jax"]) == 2
+    assert "has not landed" in capsys.readouterr().err
+
+
+def test_console_script_dry_run():
+    exe = pathlib.Path(sys.executable).with_name("hetrl")
+    out = subprocess.run([str(exe), "train", "--dry-run"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert yaml.safe_load(out.stdout)["name"] == "tiny_mixed"
