@@ -6,16 +6,24 @@ Modules, one job each: :mod:`~hetrl.trainer_jax.config` (pydantic configuration)
 (the jittable train step), :mod:`~hetrl.trainer_jax.logprobs` (per-token log-probs with mask
 replay), :mod:`~hetrl.trainer_jax.checkpoint` (Orbax), :mod:`~hetrl.trainer_jax.data` (Grain
 prompt pipeline) and :mod:`~hetrl.trainer_jax.trainer` (:class:`JaxTrainer`, tying them together).
+
+Importing the package imports no framework (``hetrl.trainer_jax.config`` is plain pydantic and
+the run config embeds it); the names below load their submodule on first access.
 """
 
-from hetrl.trainer_jax.config import (
-    CheckpointConfig, DistributedConfig, JaxTrainerConfig, MeshConfig, OptimizerConfig, PromptDataConfig,
-)
-from hetrl.trainer_jax.data import prompt_dataset, prompt_iterator
-from hetrl.trainer_jax.mesh import initialize_distributed, make_mesh
-from hetrl.trainer_jax.trainer import JaxTrainer
+import importlib
 
-__all__ = [
-    "CheckpointConfig", "DistributedConfig", "JaxTrainerConfig", "MeshConfig", "OptimizerConfig", "PromptDataConfig",
-    "prompt_dataset", "prompt_iterator", "initialize_distributed", "make_mesh", "JaxTrainer",
-]
+_EXPORTS = {
+    **dict.fromkeys(("CheckpointConfig", "DistributedConfig", "JaxTrainerConfig", "MeshConfig", "OptimizerConfig",
+                     "PromptDataConfig"), "config"),
+    "prompt_dataset": "data", "prompt_iterator": "data",
+    "initialize_distributed": "mesh", "make_mesh": "mesh",
+    "JaxTrainer": "trainer",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'hetrl.trainer_jax' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"hetrl.trainer_jax.{_EXPORTS[name]}"), name)
