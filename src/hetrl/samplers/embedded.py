@@ -1,0 +1,321 @@
+"""The embedded sampler: an in-process JAX inference engine with an accelerator profile.
+
+:class:`EmbeddedSampler` implements :class:`hetrl.samplers.base.Sampler`. It runs the real
+Qwen model (:mod:`hetrl.models.qwen_jax`) with a pool's numerics (:mod:`hetrl.samplers.profiles`),
+so its mismatch with the trainer is computed, never injected:
+
+* **weights**: every linear projection of the decoder layers (``q/k/v/o_proj``,
+  ``gate/up/down_proj``; HF layout ``[out, in]``) is rounded with
+  :func:`hetrl.core.precision.quantize_dequantize` to the pool's weight format (per output
+  channel / 16- or 32-element blocks along ``in``); embeddings, norms, biases and the LM head
+  stay in the profile's compute dtype, as quantized serving checkpoints keep them. This is
+  applied at load and at every :meth:`EmbeddedSampler.update_weights`.
+* **compute**: the model's ``Numerics`` come from :meth:`SamplerNumerics.model_numerics`
+  (compute / accumulation / softmax dtypes, KV-cache format applied on every cache write, split-K
+  chunking); the parameters are stored in the compute dtype.
+
+One :meth:`EmbeddedSampler.generate` call is split into chunks of at most ``max_batch``
+requests; each chunk runs as ONE jitted function:
+
+1. **prefill**: prompts are left-padded to a bucketed length ``P`` (row b's real tokens sit at
+   slots ``[P − P_b, P)``), with per-row positions ``0 .. P_b − 1`` and an attention mask over key
+   slots that hides the padding; the cache has ``S = P + N`` slots, ``N`` the bucketed
+   ``max_new_tokens``. The logits at slot ``P − 1`` give the first token.
+2. **decode**: a ``jax.lax.while_loop`` over steps ``n = 1 .. N − 1`` feeds token ``n − 1`` at
+   slot ``P + n − 1`` (position ``P_b + n − 1``) through the KV-cached model and samples token
+   ``n`` (:func:`hetrl.samplers.sampling.sample`); it exits early once every row is done. A row is
+   done after a stop token (``finish_reason="stop"``; the stop token is part of the response) or
+   after its own ``max_new_tokens`` (``"length"``).
+
+Compiled shapes repeat: batch sizes, prompt lengths and new-token counts are rounded up to
+fixed buckets (powers of two), padding rows are dummies that finish at once, and the jit cache is
+shared by every sampler with the same model structure and numerics. Per token it records the
+sampled id, log q(a_t), the support (kind ``'kept'`` for truncated sampling, ``'head'`` of the
+full distribution otherwise; see :mod:`hetrl.samplers.sampling` for the cap semantics) and the
+policy version. Draws are deterministic given ``seed``: each call splits the sampler's PRNG key,
+and row b's draw at step n depends only on (call key, chunk, b, n).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import threading
+import time
+from typing import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from hetrl.core.precision import quantize_dequantize
+from hetrl.core.schema import SamplerInfo, SamplingSupport
+from hetrl.models.config import ModelConfig
+from hetrl.models.hf_io import check_state_dict, load_state_dict
+from hetrl.models.qwen_jax import QwenModel, from_hf_state_dict, init_cache
+from hetrl.samplers.base import Generation, GenerationRequest, SamplerHealth
+from hetrl.samplers.profiles import SamplerNumerics
+from hetrl.samplers.sampling import DEFAULT_SUPPORT_CAP, check_params, row_keys, sample
+
+__all__ = ["EmbeddedSampler", "quantize_weights", "QUANTIZED_WEIGHT", "DEFAULT_LENGTH_BUCKETS", "DEFAULT_BATCH_BUCKETS"]
+
+QUANTIZED_WEIGHT = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight")
+"""HF names of the tensors stored in the pool's weight format (the rest: compute dtype)."""
+
+DEFAULT_LENGTH_BUCKETS: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+DEFAULT_BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+
+_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+
+
+def quantize_weights(state: Mapping[str, np.ndarray], numerics: SamplerNumerics) -> dict[str, np.ndarray]:
+    """HF state dict as the pool stores it: :data:`QUANTIZED_WEIGHT` tensors rounded to
+    ``numerics.weight_format``, every other tensor to the compute dtype (float32 arrays out)."""
+    out = {}
+    for name, value in state.items():
+        fmt = numerics.weight_format if QUANTIZED_WEIGHT.fullmatch(name) else numerics.param_format
+        out[name] = quantize_dequantize(np.asarray(value, dtype=np.float32), fmt)
+    return out
+
+
+def _bucket(n: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket >= n; past the largest, the next multiple of the largest."""
+    for b in buckets:
+        if n <= b:
+            return b
+    return -(-n // buckets[-1]) * buckets[-1]
+
+
+_RECORDED = {"tokens": "token", "logprobs": "logprob", "count": "count", "support_ids": "support_ids",
+             "support_logprobs": "support_logprobs", "cap_bound": "cap_bound"}
+"""Output buffer [B, N, ...] -> the :class:`SampleResult` field recorded in it at every step."""
+
+
+def _record(out: dict, r, step) -> dict:
+    return {name: buf.at[:, step].set(getattr(r, _RECORDED[name])) for name, buf in out.items()}
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "treedef", "n_steps", "width", "head_size"))
+def _generate_chunk(leaves, prompt_ids, prompt_lens, temperature, top_k, top_p, max_new, stop_ids, key, *,
+                    graphdef, treedef, n_steps, width, head_size):
+    """Prefill + KV-cached decode of one padded chunk (see the module docstring).
+
+    leaves: the model's parameter arrays; prompt_ids [B, P] int32 left-padded; prompt_lens,
+    max_new [B] int32 (1 <= max_new <= n_steps); temperature, top_p [B] f32; top_k [B] int32;
+    stop_ids [B, NS] int32 padded with -1; key: PRNG key. Returns a dict of tokens, logprobs,
+    count [B, N], support_ids, support_logprobs [B, N, W], cap_bound [B, N] and lengths [B].
+    """
+    model: QwenModel = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+    B, P = prompt_ids.shape
+    S = P + n_steps
+    first = P - prompt_lens  # first real slot of each row
+    key_mask = jnp.arange(S)[None, :] >= first[:, None]  # [B, S]
+    positions = jnp.maximum(jnp.arange(P)[None, :] - first[:, None], 0).astype(jnp.int32)
+    cache = init_cache(model.config, B, S, dtype=model.numerics.compute_dtype)
+
+    def draw(logits, step):
+        return sample(row_keys(key, B, step), logits, temperature, top_k, top_p, width=width, head_size=head_size)
+
+    def stops(token):
+        return jnp.any(stop_ids == token[:, None], axis=-1)
+
+    logits, cache = model(prompt_ids, positions, key_mask, cache, jnp.int32(0))
+    r = draw(logits[:, -1], 0)
+    out = {name: jnp.zeros((B, n_steps) + getattr(r, field).shape[1:], getattr(r, field).dtype)
+           for name, field in _RECORDED.items()}
+    out = _record(out, r, 0)
+    done = stops(r.token) | (max_new <= 1)
+    carry = (jnp.int32(1), r.token, done, jnp.ones((B,), jnp.int32), cache, out)
+
+    def cond(c):
+        step, _, done, _, _, _ = c
+        return (step < n_steps) & ~jnp.all(done)
+
+    def body(c):
+        step, token, done, lengths, cache, out = c
+        pos = (prompt_lens + step - 1)[:, None]
+        logits, cache = model(token[:, None], pos, key_mask, cache, P + step - 1)
+        r = draw(logits[:, 0], step)
+        out = _record(out, r, step)
+        lengths = jnp.where(done, lengths, step + 1)
+        token = jnp.where(done, token, r.token)
+        done = done | stops(r.token) | (step + 1 >= max_new)
+        return step + 1, token, done, lengths, cache, out
+
+    _, _, _, lengths, _, out = jax.lax.while_loop(cond, body, carry)
+    return dict(out, lengths=lengths)
+
+
+class EmbeddedSampler:
+    """In-process JAX sampler with a pool's numerics; implements the ``Sampler`` protocol.
+
+    ``weights``: HF-named float arrays (:mod:`hetrl.models.hf_io`), quantized on load with
+    :func:`quantize_weights`. ``support_cap`` (W) bounds the recorded kept set (``top_k <= W``;
+    top-p is taken within the top W) and ``head_size`` (<= W, default W) is the head recorded for
+    untruncated sampling (0: no support recorded). ``max_batch`` caps the rows of one compiled
+    call; ``length_buckets`` / ``batch_buckets`` are the shape buckets (prompt length and
+    new-token count share ``length_buckets``).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: Mapping[str, np.ndarray],
+        numerics: SamplerNumerics,
+        *,
+        pool: str | None = None,
+        version: int = 0,
+        seed: int = 0,
+        support_cap: int = DEFAULT_SUPPORT_CAP,
+        head_size: int | None = None,
+        max_batch: int = 64,
+        length_buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS,
+        batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
+    ):
+        self.config = config
+        self.numerics = numerics
+        self.width = min(support_cap, config.vocab_size)
+        self.head_size = self.width if head_size is None else head_size
+        if not 0 <= self.head_size <= self.width:
+            raise ValueError(f"head_size {self.head_size} must lie in [0, support cap {self.width}]")
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.max_batch = max_batch
+        self.length_buckets = tuple(sorted(length_buckets))
+        self.batch_buckets = tuple(b for b in sorted(batch_buckets) if b < max_batch) + (max_batch,)
+        self._info = numerics.sampler_info(pool, "embedded", f"hetrl-embedded jax-{jax.__version__}")
+        self._lock = threading.Lock()
+        self._key = jax.random.key(seed)
+        self._in_flight = 0
+        self._tokens = 0
+        self._cap_bound = 0
+        self._graphdef, self._treedef, self._leaves = self._build(weights)
+        self._version = version
+
+    def _build(self, weights: Mapping[str, np.ndarray]):
+        """``(graphdef, treedef, parameter arrays)`` of the model holding the quantized ``weights``.
+
+        Always a fresh model built the same way (rather than an in-place update of the previous
+        one), so the arrays keep the same placement and the jit cache key does not change."""
+        check_state_dict(self.config, weights)
+        model = from_hf_state_dict(self.config, quantize_weights(weights, self.numerics),
+                                   param_dtype=_DTYPES[self.numerics.param_format],
+                                   numerics=self.numerics.model_numerics())
+        graphdef, state = nnx.split(model)
+        leaves, treedef = jax.tree.flatten(state)
+        return graphdef, treedef, leaves
+
+    @classmethod
+    def from_checkpoint(cls, directory, numerics: SamplerNumerics, **kwargs) -> "EmbeddedSampler":
+        """A sampler over an HF checkpoint directory (``config.json`` + safetensors)."""
+        return cls(ModelConfig.load(directory), load_state_dict(directory), numerics, **kwargs)
+
+    # ------------------------------------------------------------------ Sampler protocol
+    @property
+    def info(self) -> SamplerInfo:
+        return self._info
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def update_weights(self, version: int, weights: Mapping[str, np.ndarray]) -> None:
+        """Quantize and load HF-named ``weights``; tokens of later calls carry ``version``.
+        In-flight calls finish on the weights they started with. Same shapes: no recompilation."""
+        _, _, leaves = self._build(weights)
+        with self._lock:
+            self._leaves = leaves
+            self._version = int(version)
+
+    def health(self) -> SamplerHealth:
+        with self._lock:
+            detail = (f"{self._tokens} tokens generated; {self._cap_bound} top-p sets cut to the "
+                      f"support cap {self.width}")
+            return SamplerHealth(healthy=True, weight_version=self._version, in_flight=self._in_flight, detail=detail)
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
+        """Sample every request to a stop token or ``max_new_tokens``; one Generation each, in order."""
+        for r in requests:
+            self._check(r)
+        with self._lock:
+            self._key, call_key = jax.random.split(self._key)
+            leaves, version = self._leaves, self._version
+            self._in_flight += len(requests)
+        try:
+            out: list[Generation] = []
+            for i in range(0, len(requests), self.max_batch):
+                chunk = requests[i : i + self.max_batch]
+                out += self._run_chunk(chunk, leaves, version, jax.random.fold_in(call_key, i // self.max_batch))
+            return out
+        finally:
+            with self._lock:
+                self._in_flight -= len(requests)
+
+    # ------------------------------------------------------------------ internals
+    def _check(self, r: GenerationRequest) -> None:
+        ids = np.asarray(r.prompt_ids)
+        where = f"request {r.request_id!r}"
+        if ids.ndim != 1 or ids.shape[0] == 0 or ids.dtype.kind not in "iu":
+            raise ValueError(f"{where}: prompt_ids must be a non-empty 1-D integer array, got dtype {ids.dtype} shape {ids.shape}")
+        if ids.min() < 0 or ids.max() >= self.config.vocab_size:
+            raise ValueError(f"{where}: prompt token ids must lie in [0, {self.config.vocab_size})")
+        if r.max_new_tokens < 1:
+            raise ValueError(f"{where}: max_new_tokens must be >= 1, got {r.max_new_tokens}")
+        if ids.shape[0] + r.max_new_tokens > self.config.max_position_embeddings:
+            raise ValueError(f"{where}: prompt ({ids.shape[0]}) + max_new_tokens ({r.max_new_tokens}) exceeds "
+                             f"max_position_embeddings={self.config.max_position_embeddings}")
+        try:
+            check_params([r.sampling.top_k], [r.sampling.top_p], self.width)
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
+
+    def _run_chunk(self, chunk: Sequence[GenerationRequest], leaves, version: int, key) -> list[Generation]:
+        n = len(chunk)
+        B = _bucket(n, self.batch_buckets)
+        P = _bucket(max(len(r.prompt_ids) for r in chunk), self.length_buckets)
+        N = _bucket(max(r.max_new_tokens for r in chunk), self.length_buckets)
+        NS = _bucket(max(1, *(len(r.stop_token_ids) for r in chunk)), (1, 2, 4, 8))
+        pad = self.config.pad_token_id or 0
+        prompt_ids = np.full((B, P), pad, np.int32)
+        prompt_lens = np.ones(B, np.int32)
+        temperature = np.ones(B, np.float32)
+        top_k = np.ones(B, np.int32)  # padding rows: greedy (truncated, so no V-wide draw) ...
+        top_p = np.ones(B, np.float32)
+        max_new = np.ones(B, np.int32)  # ... and done after one token
+        stop_ids = np.full((B, NS), -1, np.int32)
+        for b, r in enumerate(chunk):
+            ids = np.asarray(r.prompt_ids)
+            prompt_ids[b, P - len(ids) :] = ids
+            prompt_lens[b] = len(ids)
+            temperature[b], top_k[b], top_p[b] = r.sampling.temperature, r.sampling.top_k, r.sampling.top_p
+            max_new[b] = r.max_new_tokens
+            stop_ids[b, : len(r.stop_token_ids)] = r.stop_token_ids
+        start = time.perf_counter()
+        res = _generate_chunk(leaves, prompt_ids, prompt_lens, temperature, top_k, top_p, max_new, stop_ids, key,
+                              graphdef=self._graphdef, treedef=self._treedef, n_steps=N, width=self.width,
+                              head_size=self.head_size)
+        res = jax.tree.map(np.asarray, jax.device_get(res))
+        elapsed = time.perf_counter() - start
+
+        gens = []
+        for b, r in enumerate(chunk):
+            T = int(res["lengths"][b])
+            tokens = res["tokens"][b, :T]
+            support = None
+            if r.sampling.truncated or self.head_size > 0:
+                counts = res["count"][b, :T]
+                keep = np.arange(self.width)[None, :] < counts[:, None]
+                offsets = np.zeros(T + 1, np.int64)
+                np.cumsum(counts, out=offsets[1:])
+                support = SamplingSupport(ids=res["support_ids"][b, :T][keep], offsets=offsets,
+                                          logprobs=res["support_logprobs"][b, :T][keep],
+                                          kind="kept" if r.sampling.truncated else "head")
+            finish = "stop" if int(tokens[-1]) in r.stop_token_ids else "length"
+            gens.append(Generation(request_id=r.request_id, token_ids=tokens, logprobs=res["logprobs"][b, :T],
+                                   policy_version=np.full(T, version, np.int64), finish_reason=finish,
+                                   support=support, sampler=self._info, timings={"generate_s": elapsed}))
+            with self._lock:
+                self._tokens += T
+                self._cap_bound += int(res["cap_bound"][b, :T].sum())
+        return gens
