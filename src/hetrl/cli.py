@@ -1,8 +1,10 @@
 """The ``hetrl`` command line: ``hetrl train|experiment|parity|bench|fleet`` (DESIGN §1).
 
 ``hetrl train CONFIG [--set KEY=VALUE]... [--dry-run]`` loads and validates the run config
-(:mod:`hetrl.config`) and, with ``--dry-run``, prints it resolved. The rest says plainly when
-its machinery has not landed yet instead of pretending to run.
+(:mod:`hetrl.config`); with ``--dry-run`` it prints it resolved, otherwise it runs the
+asynchronous loop with the local (threaded) backend (:mod:`hetrl.orchestrator.local`) and prints
+a short summary. The rest says plainly when its machinery has not landed yet instead of
+pretending to run.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ import argparse
 import sys
 
 NOT_YET = {
-    "train": "the asynchronous training loop (orchestrator, fleet, trainers)",
     "experiment": "the experiment grid (needs `hetrl train`)",
     "parity": "cross-backend parity (needs the JAX and Megatron trainers)",
     "fleet": "fleet inspection (needs the samplers)",
@@ -37,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _train(args: argparse.Namespace) -> int:
     """Load and validate the config (exit 1 with the bad keys named if invalid); with
-    ``--dry-run`` print it resolved and exit 0."""
+    ``--dry-run`` print it resolved and exit 0; otherwise train (exit 0 when every step ran)."""
     from hetrl.config import ConfigError, load_config
 
     overrides = list(args.overrides) + ([f"trainer.kind={args.trainer}"] if args.trainer else [])
@@ -49,9 +50,18 @@ def _train(args: argparse.Namespace) -> int:
     if args.dry_run:
         sys.stdout.write(config.to_yaml())
         return 0
-    print(f"hetrl train: config {config.name!r} is valid, but not available yet: {NOT_YET['train']} has not landed.",
-          file=sys.stderr)
-    return 2
+    from hetrl.orchestrator.local import LocalOrchestrator
+    from hetrl.orchestrator.report import summary_lines
+
+    try:
+        orchestrator = LocalOrchestrator(config)
+    except ConfigError as err:
+        print(f"hetrl train: {err}", file=sys.stderr)
+        return 1
+    result = orchestrator.run()
+    for line in summary_lines(result.history, result.final):
+        print(line)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,143 @@
+"""Run outputs: metrics JSON lines, the rich live display, PNG plots and the final summary."""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+from typing import Any, Mapping, Sequence
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+
+__all__ = ["MetricsWriter", "LiveDisplay", "write_plots", "summary_lines"]
+
+
+def _clean(value: Any) -> Any:
+    """JSON-safe: non-finite floats become None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class MetricsWriter:
+    """Appends one JSON object per record to ``path`` (created with its parents)."""
+
+    def __init__(self, path: str | pathlib.Path):
+        self.path = pathlib.Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a", encoding="utf-8")
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        self._file.write(json.dumps({k: _clean(v) for k, v in record.items()}, sort_keys=True) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _fmt(value: Any, spec: str = ".3f") -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    return format(value, spec)
+
+
+class LiveDisplay:
+    """A rich live view: a headline table (step, reward, held-out, KL k3, masked fraction,
+    tokens/s, staleness) and one row per pool. A no-op when ``enabled`` is False."""
+
+    def __init__(self, total_steps: int, enabled: bool, console: Console | None = None):
+        self.total = total_steps
+        self.enabled = enabled
+        self._live = Live(console=console or Console(), refresh_per_second=4, transient=False) if enabled else None
+
+    def __enter__(self) -> "LiveDisplay":
+        if self._live is not None:
+            self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._live is not None:
+            self._live.__exit__(*exc)
+
+    def update(self, record: Mapping[str, Any], pools: Sequence[Mapping[str, Any]]) -> None:
+        if self._live is None:
+            return
+        head = Table(title=f"hetrl: step {record['step']}/{self.total}", show_header=True)
+        cols = [("reward", "reward/mean"), ("solved", "rollout/solved"), ("held-out", "eval/success"),
+                ("KL k3", "mismatch/k3"), ("masked", "mismatch/masked_frac/any"), ("gen tok/s", "throughput/gen_tokens_per_s"),
+                ("train tok/s", "throughput/trained_tokens_per_s"), ("stale mean", "staleness/mean"),
+                ("stale max", "staleness/max"), ("step s", "time/step_s")]
+        for name, _ in cols:
+            head.add_column(name, justify="right")
+        head.add_row(*[_fmt(record.get(key)) for _, key in cols])
+        table = Table(title="pools", show_header=True)
+        for name in ("pool", "numerics", "alive", "w-ver", "requests", "tokens", "trained", "dropped",
+                     "max stale", "k3", "cost $"):
+            table.add_column(name, justify="right")
+        for p in pools:
+            table.add_row(p["pool"], p["numerics"], str(p["alive"]), str(p["weight_version"]), str(p["requests"]),
+                          str(p["tokens"]), str(p["trained"]), str(p["dropped"]), str(p["max_staleness"]),
+                          _fmt(p["k3"], ".2e"), _fmt(p["cost_usd"], ".4f"))
+        self._live.update(Group(head, table))
+
+
+def write_plots(history: Sequence[Mapping[str, Any]], pool_names: Sequence[str], directory: str | pathlib.Path) -> list[pathlib.Path]:
+    """``reward.png``, ``heldout.png`` and ``mismatch.png`` (per-pool KL k3) over steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    steps = [r["step"] for r in history]
+
+    def series(key: str) -> tuple[list[int], list[float]]:
+        pts = [(r["step"], r[key]) for r in history if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+    out = []
+    specs = [
+        ("reward.png", "reward", [("reward/mean", "mean reward"), ("rollout/solved", "solved fraction")]),
+        ("heldout.png", "held-out", [("eval/success", "success rate"), ("eval/reward", "mean reward")]),
+        ("mismatch.png", "KL k3 (sampler vs trainer)",
+         [("mismatch/k3", "all")] + [(f"pool/{p}/mismatch/k3", p) for p in pool_names]),
+    ]
+    for filename, title, lines in specs:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for key, label in lines:
+            xs, ys = series(key)
+            if xs:
+                ax.plot(xs, ys, marker="." if len(xs) < 30 else None, label=label)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.set_xlim(left=min(steps, default=0))
+        if filename == "mismatch.png":
+            ax.set_yscale("log")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = directory / filename
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        out.append(path)
+    return out
+
+
+def summary_lines(history: Sequence[Mapping[str, Any]], final: Mapping[str, Any]) -> list[str]:
+    """A few lines: steps, wall time, reward first/last, held-out, mismatch, staleness, buffer."""
+    if not history:
+        return ["no training step completed"]
+    first, last = history[0], history[-1]
+    evals = [r for r in history if "eval/success" in r]
+    lines = [
+        f"steps: {last['step']}  wall: {final['wall_s']:.1f}s  trainer version: {final['version']}",
+        f"reward: first {_fmt(first.get('reward/mean'))}  last {_fmt(last.get('reward/mean'))}",
+        f"held-out success: {_fmt(evals[-1]['eval/success']) if evals else '-'} ({len(evals)} evaluations)",
+        f"KL k3: last {_fmt(last.get('mismatch/k3'), '.2e')}  staleness max over run: {final['max_staleness']}",
+        f"groups: trained {final['groups_trained']}  dropped {final['groups_dropped']}  "
+        f"rejected rollouts {final['rollouts_rejected']}  requeued jobs {final['requeues']}",
+        f"outputs: {final['output_dir']}",
+    ]
+    return lines
