@@ -1,6 +1,6 @@
 """Shared fixtures for model tests: tiny HF checkpoints built once per session.
 
-Import the fixture into a test module (``from conftest_models import tiny_checkpoints``). The
+Import the fixtures into a test module (``from conftest_models import tiny_checkpoints, hf_models``). The
 checkpoints are ``TINY_QWEN3`` (untied, QK-norm) and ``TINY_QWEN2`` (tied, q/k/v biases) with
 ``init_std=0.2`` weights, so logits are far from uniform, and RMSNorm weights drawn as
 ``1 + 0.1 N(0, 1)`` instead of ones, so a norm weight that is dropped or misapplied shows.
@@ -32,3 +32,13 @@ def tiny_checkpoints(tmp_path_factory) -> dict:
         save_state_dict(directory, perturb_norms(load_state_dict(directory), seed=1))
         out[name] = directory
     return out
+
+
+@pytest.fixture(scope="module")
+def hf_models(tiny_checkpoints) -> dict:  # noqa: F811
+    """``{"qwen3": model, "qwen2": model}``: the reference ``transformers`` models, float32, eval mode."""
+    import torch
+    import transformers
+
+    return {arch: transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            for arch, path in tiny_checkpoints.items()}

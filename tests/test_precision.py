@@ -239,7 +239,7 @@ def test_error_ordering_on_gaussian_weights():
 
 @pytest.fixture(scope="module")
 def jax_qdq():
-    jax = pytest.importorskip("jax")
+    import jax
     return jax.jit(quantize_dequantize, static_argnums=1), jax.numpy
 
 
@@ -337,7 +337,7 @@ def test_bad_arguments_raise():
 
 
 def test_torch_goes_through_numpy():
-    torch = pytest.importorskip("torch")
+    import torch
     x = weights(9, (8, 64), spread=2)
     for fmt in ("bf16", "nvfp4", "int8"):
         t = torch.from_numpy(x).to(torch.bfloat16)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest_models import INIT_STD, tiny_checkpoints  # noqa: F401  (fixture)
+from conftest_models import INIT_STD, hf_models, tiny_checkpoints  # noqa: F401  (fixtures)
 from hetrl.core.precision import quantize_dequantize
 from hetrl.models import CheckpointError, ModelConfig, load_state_dict
 from hetrl.models.qwen_jax import (
@@ -54,12 +54,6 @@ def models(tiny_checkpoints):  # noqa: F811
     return {arch: load_hf(tiny_checkpoints[arch]) for arch in ARCHS}
 
 
-@pytest.fixture(scope="module")
-def hf_models(tiny_checkpoints):  # noqa: F811
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    return {arch: transformers.AutoModelForCausalLM.from_pretrained(tiny_checkpoints[arch], dtype=torch.float32).eval()
-            for arch in ARCHS}
 
 
 def right_padded_batch(vocab: int, lengths=(16, 11, 6, 2), seed=0):

@@ -29,7 +29,7 @@ HERE = pathlib.Path(__file__).resolve()
 SRC = HERE.parents[1] / "src" / "hetrl"
 sys.path.insert(0, str(HERE.parent))
 
-from conftest_models import CONFIGS, tiny_checkpoints  # noqa: E402,F401  (fixture)
+from conftest_models import CONFIGS, hf_models, tiny_checkpoints  # noqa: E402,F401  (fixtures)
 from factories import log_softmax, sampler_info, truncated_distribution  # noqa: E402
 from hetrl.core.correction import LossInputs, PRESETS, grpo_advantages, policy_loss, replay_logprobs  # noqa: E402
 from hetrl.core.schema import Rollout, RolloutBatch, SamplingParams, SamplingSupport, collate  # noqa: E402
@@ -120,12 +120,6 @@ def model_batch(next_logits, vocab: int, seed: int, rows: int = 8) -> RolloutBat
 
 
 # ====================================================================== parent-side fixtures
-@pytest.fixture(scope="module")
-def hf_models(tiny_checkpoints):  # noqa: F811
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    return {arch: transformers.AutoModelForCausalLM.from_pretrained(tiny_checkpoints[arch], dtype=torch.float32).eval()
-            for arch in ARCHS}
 
 
 def hf_logits(model, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
