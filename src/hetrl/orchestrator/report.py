@@ -95,7 +95,10 @@ def write_plots(history: Sequence[Mapping[str, Any]], pool_names: Sequence[str],
     steps = [r["step"] for r in history]
 
     def series(key: str) -> tuple[list[int], list[float]]:
-        pts = [(r["step"], r[key]) for r in history if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+        # a mismatch metric of a step whose batch held no token of that pool is an empty mean, not a 0
+        count = key.rsplit("/", 1)[0] + "/num_tokens" if "/mismatch/" in f"/{key}" else None
+        pts = [(r["step"], r[key]) for r in history
+               if isinstance(r.get(key), (int, float)) and math.isfinite(r[key]) and (count is None or r.get(count, 1) > 0)]
         return [p[0] for p in pts], [p[1] for p in pts]
 
     out = []
