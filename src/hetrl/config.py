@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from hetrl.core.correction import CorrectionConfig, correction_preset
 from hetrl.core.schema import SamplingParams
 from hetrl.samplers.fleet import FleetConfig
+from hetrl.trainer_megatron.config import OptimizerSettings
 from hetrl.trainer_jax.config import (
     CheckpointConfig,
     DistributedConfig,
@@ -41,7 +42,7 @@ from hetrl.trainer_jax.config import (
 )
 
 __all__ = [
-    "ConfigError", "ModelSection", "JaxTrainerSection", "MegatronOptimizer", "MegatronTrainerSection",
+    "ConfigError", "ModelSection", "JaxTrainerSection", "MegatronTrainerSection",
     "TrainerSection", "CorrectionSection", "AsyncSection", "EnvironmentSection", "LoggingSection",
     "CheckpointingSection", "RunConfig", "CONFIG_DIR", "load_config", "validate_config", "apply_override",
     "resolve_config_path",
@@ -107,35 +108,9 @@ class JaxTrainerSection(_Strict):
         return data
 
 
-class MegatronOptimizer(_Strict):
-    """AdamW on megatron's schedule; the same fields and meaning as
-    ``hetrl.trainer_megatron.trainer.OptimizerSettings`` (kept torch-free here)."""
-
-    learning_rate: float = Field(1e-6, gt=0.0)
-    min_learning_rate: float = Field(0.0, ge=0.0)
-    warmup_steps: int = Field(0, ge=0)
-    schedule: Literal["constant", "linear", "cosine"] = "constant"
-    decay_steps: int | None = Field(None, gt=0)
-    b1: float = Field(0.9, ge=0.0, lt=1.0)
-    b2: float = Field(0.999, ge=0.0, lt=1.0)
-    eps: float = Field(1e-8, gt=0.0)
-    weight_decay: float = Field(0.0, ge=0.0)
-    grad_clip: float | None = Field(1.0, gt=0.0)
-    distributed: bool = Field(False, description="distributed optimizer (state sharded over data-parallel ranks)")
-
-    @model_validator(mode="after")
-    def _schedule(self) -> "MegatronOptimizer":
-        if self.min_learning_rate > self.learning_rate:
-            raise ValueError("min_learning_rate must not exceed learning_rate")
-        if self.schedule != "constant" and (self.decay_steps is None or self.decay_steps <= self.warmup_steps):
-            raise ValueError(f"schedule {self.schedule!r} needs decay_steps > warmup_steps")
-        return self
-
-
 class MegatronTrainerSection(_Strict):
     """The Megatron trainer's settings (a stub of the run-config side: validated here, mapped to
-    ``hetrl.trainer_megatron.trainer.MegatronTrainerConfig`` by the orchestrator, which imports
-    torch). Parallel sizes: ``tensor x pipeline x data`` = world size; ``data_parallel = -1``
+    :class:`hetrl.trainer_megatron.config.MegatronTrainerConfig` by the orchestrator). Parallel sizes: ``tensor x pipeline x data`` = world size; ``data_parallel = -1``
     takes every rank left over. ``bf16``: BF16 parameters and activations with FP32 master
     weights; False: FP32. ``micro_batch_size``: rows per forward/backward (None: all local rows)."""
 
@@ -145,7 +120,7 @@ class MegatronTrainerSection(_Strict):
     pipeline_parallel: int = Field(1, ge=1)
     data_parallel: int = Field(-1, ge=-1)
     micro_batch_size: int | None = Field(None, gt=0)
-    optimizer: MegatronOptimizer = MegatronOptimizer()
+    optimizer: OptimizerSettings = OptimizerSettings()
     normalize_advantage_std: bool = False
     kernel_fusion: bool = False
 

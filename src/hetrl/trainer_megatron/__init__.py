@@ -5,12 +5,22 @@ the shared :class:`hetrl.models.ModelConfig`, parallel start-up, attention masks
 :mod:`~hetrl.trainer_megatron.weights` (HF <-> megatron weight mapping, tensor-parallel shards),
 :mod:`~hetrl.trainer_megatron.trainer` (:class:`MegatronTrainer`: corrected train step through
 megatron's schedule, DDP and optimizer, dist_checkpointing, HF export) and
-:mod:`~hetrl.trainer_megatron.cpu_shim` (the CPU test shim, applied only without CUDA).
+:mod:`~hetrl.trainer_megatron.cpu_shim` (the CPU test shim, applied only without CUDA) and
+:mod:`~hetrl.trainer_megatron.config` (its pydantic configuration).
 
-Importing this package does not import megatron; its functions do.
+Importing this package imports neither torch nor megatron (:mod:`~hetrl.trainer_megatron.config`
+is plain pydantic and the run config embeds it); the names below load their submodule on first
+access.
 """
 
-from hetrl.trainer_megatron.model import ParallelConfig
-from hetrl.trainer_megatron.trainer import MegatronTrainer, MegatronTrainerConfig, OptimizerSettings
+import importlib
 
-__all__ = ["ParallelConfig", "MegatronTrainer", "MegatronTrainerConfig", "OptimizerSettings"]
+_EXPORTS = {"ParallelConfig": "config", "OptimizerSettings": "config", "MegatronTrainerConfig": "config",
+            "MegatronTrainer": "trainer"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'hetrl.trainer_megatron' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"hetrl.trainer_megatron.{_EXPORTS[name]}"), name)

@@ -25,26 +25,15 @@ import os
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
 
 from hetrl.models import ModelConfig
+from hetrl.trainer_megatron.config import ParallelConfig
 from hetrl.trainer_megatron.cpu_shim import apply_cpu_shim_if_needed
 
 __all__ = [
     "ParallelConfig", "initialize_parallel", "transformer_config", "build_gpt_model", "attention_mask_4d",
     "forward_logits", "unwrap",
 ]
-
-
-class ParallelConfig(BaseModel):
-    """Megatron parallel sizes; ``tensor × pipeline × data`` must equal the world size."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    tensor: int = Field(1, ge=1)
-    pipeline: int = Field(1, ge=1)
-    data: int = Field(1, ge=1)
-    seed: int = Field(0, description="seed of megatron's model-parallel RNG tracker")
 
 
 def initialize_parallel(parallel: ParallelConfig) -> None:

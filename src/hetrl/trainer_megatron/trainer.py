@@ -32,25 +32,25 @@ from __future__ import annotations
 import os
 import pathlib
 from functools import partial
-from typing import Any, Iterator, Literal, Mapping
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from hetrl.core.correction import (
-    CorrectionConfig, LossInputs, TokenStats, correction_preset, grpo_advantages, mismatch_metrics, policy_loss,
+    LossInputs, TokenStats, grpo_advantages, mismatch_metrics, policy_loss,
     replay_logprobs, token_entropy,
 )
 from hetrl.core.schema import RolloutBatch
 from hetrl.core.xp import log_softmax, masked_mean, take_along_axis
 from hetrl.models import ModelConfig, load_state_dict, save_state_dict
+from hetrl.trainer_megatron.config import MegatronTrainerConfig
 from hetrl.trainer_megatron.model import (
-    ParallelConfig, build_gpt_model, forward_logits, initialize_parallel, transformer_config, unwrap,
+    build_gpt_model, forward_logits, initialize_parallel, transformer_config, unwrap,
 )
 from hetrl.trainer_megatron.weights import hf_to_megatron, megatron_to_hf
 
-__all__ = ["OptimizerSettings", "MegatronTrainerConfig", "MegatronTrainer", "STEP_FIELDS", "token_logprobs"]
+__all__ = ["MegatronTrainer", "STEP_FIELDS", "token_logprobs"]
 
 STEP_FIELDS: tuple[str, ...] = (
     "input_ids", "attention_mask", "target_ids", "loss_mask", "sampler_logprobs", "support_ids", "support_mask",
@@ -62,74 +62,6 @@ STEP_FIELDS: tuple[str, ...] = (
 _CHECKPOINT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 """dist_checkpointing layout of the distributed optimizer's state: one tensor per grad-buffer
 bucket, saved and loaded fully in parallel (resharding only across data-parallel sizes)."""
-
-
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class OptimizerSettings(_Frozen):
-    """AdamW with global-norm clipping on megatron's learning-rate schedule.
-
-    ``θ ← θ − η_t·(m̂/(√v̂ + ε) + λ·θ)`` (torch AdamW, decoupled decay, λ = 0 on biases and 1-D
-    parameters), after ``g ← g·min(1, c/(‖g‖₂ + 1e-6))`` with ``c = grad_clip`` (None: no
-    clipping). ``η_t``: megatron ``OptimizerParamScheduler`` with linear warmup from 0 over
-    ``warmup_steps`` updates (step t uses ``η·t/W``, so a warmed-up run starts at 0), then
-    ``schedule`` decay from ``learning_rate`` to ``min_learning_rate`` by ``decay_steps``.
-    ``distributed``: megatron's distributed optimizer (state sharded over data-parallel ranks).
-    """
-
-    learning_rate: float = Field(1e-6, gt=0.0)
-    min_learning_rate: float = Field(0.0, ge=0.0)
-    warmup_steps: int = Field(0, ge=0)
-    schedule: Literal["constant", "linear", "cosine"] = "constant"
-    decay_steps: int | None = Field(None, gt=0, description="end of the decay (required unless constant)")
-    b1: float = Field(0.9, ge=0.0, lt=1.0)
-    b2: float = Field(0.999, ge=0.0, lt=1.0)
-    eps: float = Field(1e-8, gt=0.0)
-    weight_decay: float = Field(0.0, ge=0.0)
-    grad_clip: float | None = Field(1.0, gt=0.0)
-    distributed: bool = False
-
-    @model_validator(mode="after")
-    def _schedule(self) -> "OptimizerSettings":
-        if self.min_learning_rate > self.learning_rate:
-            raise ValueError("min_learning_rate must not exceed learning_rate")
-        if self.schedule != "constant" and (self.decay_steps is None or self.decay_steps <= self.warmup_steps):
-            raise ValueError(f"schedule {self.schedule!r} needs decay_steps > warmup_steps")
-        return self
-
-
-class MegatronTrainerConfig(_Frozen):
-    """Everything the Megatron trainer needs besides the model checkpoint.
-
-    ``bf16``: BF16 parameters and activations (``Float16Module``) with FP32 master weights and
-    FP32 gradient reduction; False: FP32 throughout. ``micro_batch_size``: rows per forward /
-    backward (None: all local rows at once). ``parallel``: tensor and data parallelism (pipeline
-    parallelism is refused: the model and weight mapping support stages, the step's metrics and
-    log-probs do not yet). ``kernel_fusion``: megatron's fused kernels, which need CUDA plus
-    Apex / Transformer Engine.
-    """
-
-    bf16: bool = True
-    parallel: ParallelConfig = ParallelConfig()
-    optimizer: OptimizerSettings = OptimizerSettings()
-    micro_batch_size: int | None = Field(None, gt=0)
-    correction_preset: str = "hetrl"
-    correction_overrides: dict[str, Any] = Field(default_factory=dict)
-    normalize_advantage_std: bool = False
-    kernel_fusion: bool = False
-
-    @property
-    def correction(self) -> CorrectionConfig:
-        return correction_preset(self.correction_preset, **self.correction_overrides)
-
-    @model_validator(mode="after")
-    def _valid(self) -> "MegatronTrainerConfig":
-        self.correction  # raises on a bad preset or override
-        if self.parallel.pipeline > 1:
-            raise ValueError("MegatronTrainer does not support pipeline parallelism yet (parallel.pipeline must be 1)")
-        return self
 
 
 def token_logprobs(logits: torch.Tensor, mb: Mapping[str, torch.Tensor], replay: bool) -> torch.Tensor:
