@@ -127,6 +127,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     prompts = {b: rng.integers(3, BENCH_MODEL.vocab_size, size=(b, PROMPT_LEN)).astype(np.int32) for b in BATCH_SIZES}
 
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         directory = build_tiny_checkpoint(pathlib.Path(tmp) / "bench-model", BENCH_MODEL, seed=0)
         run_hf, run_embedded = make_engines(directory)
@@ -175,7 +176,8 @@ def main() -> None:
     meta = dict(date=datetime.date.today().isoformat(), machine=platform.machine(), cores=os.cpu_count(),
                 repeats=args.repeats, prompt_len=PROMPT_LEN, new_tokens=NEW_TOKENS, sampling=SAMPLING.model_dump(),
                 model=BENCH_MODEL.model_dump(), parameters=BENCH_MODEL.parameter_count(), jax=jax.__version__,
-                torch=torch.__version__, transformers=transformers.__version__)
+                torch=torch.__version__, transformers=transformers.__version__,
+                load_average_1_5_15min=dict(before=load_before, after=os.getloadavg()))
     (args.out / "sampler_throughput.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     plot(rows, args.out / "sampler_throughput.png")
     console.print(f"wrote {args.out / 'sampler_throughput.json'} and {args.out / 'sampler_throughput.png'}")

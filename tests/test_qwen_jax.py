@@ -20,7 +20,7 @@ from conftest_models import INIT_STD, hf_models, tiny_checkpoints  # noqa: F401 
 from hetrl.core.precision import quantize_dequantize
 from hetrl.models import CheckpointError, ModelConfig, load_state_dict
 from hetrl.models.qwen_jax import (
-    PARTITIONING, KVCache, Numerics, QwenModel, contract, from_hf_state_dict, init_cache, load_hf,
+    PARTITIONING, KVCache, Numerics, QwenModel, contract, from_hf_state_dict, grow_cache, init_cache, load_hf,
     load_state_into, to_hf_state_dict, with_numerics,
 )
 from hetrl.models.tiny import random_state_dict
@@ -117,19 +117,35 @@ def left_padded(vocab: int, prompt_lengths=(6, 4, 1), seed=1):
     return jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(positions)
 
 
-def decode(model, ids, mask, positions):
+def by_slot(cache: KVCache) -> tuple[np.ndarray, np.ndarray]:
+    """K and V of every layer as written, ``[num_layers, B, S_max, kvh, hd]`` (the cache stores
+    ``k[i]`` as ``[B, kvh, hd, S]`` and ``v[i]`` as ``[B, kvh, S, hd]``)."""
+    return (np.stack([np.asarray(k).transpose(0, 3, 1, 2) for k in cache.k]),
+            np.stack([np.asarray(v).transpose(0, 2, 1, 3) for v in cache.v]))
+
+
+def decode(model, ids, mask, positions, grow_after=None):
     """Prefill the P prompt slots, then feed the D tokens one at a time: (logits [B, P + D, V],
-    the final cache)."""
+    the final cache). ``grow_after=n``: the cache starts with ``P + n`` slots and grows to
+    ``S_MAX`` (:func:`grow_cache`) after ``n`` decoded tokens, as the embedded sampler's
+    segmented decode does."""
     graphdef, state = nnx.split(model)
-    cache = init_cache(model.config, ids.shape[0], S_MAX, model.numerics.compute_dtype)
-    logits, cache = _step(graphdef, state, ids[:, :P], positions[:, :P], mask, cache, jnp.int32(0))
+    slots = S_MAX if grow_after is None else P + grow_after
+    cache = init_cache(model.config, ids.shape[0], slots, model.numerics.compute_dtype)
+    logits, cache = _step(graphdef, state, ids[:, :P], positions[:, :P], mask[:, :slots], cache, jnp.int32(0))
     out = [logits]
     for t in range(P, P + D):
-        logits, cache = _step(graphdef, state, ids[:, t : t + 1], positions[:, t : t + 1], mask, cache, jnp.int32(t))
+        if t == slots:
+            cache = grow_cache(cache, S_MAX)
+        logits, cache = _step(graphdef, state, ids[:, t : t + 1], positions[:, t : t + 1], mask[:, : cache.max_len],
+                              cache, jnp.int32(t))
         out.append(logits)
-    assert isinstance(cache, KVCache) and cache.k.shape == (model.config.num_hidden_layers, ids.shape[0], S_MAX,
-                                                            model.config.num_key_value_heads, model.config.head_dim)
-    assert np.all(np.asarray(cache.k[:, :, P + D :]) == 0)  # nothing written past the last token
+    k, v = by_slot(cache)
+    assert isinstance(cache, KVCache) and cache.max_len == S_MAX
+    assert k.shape == v.shape == (model.config.num_hidden_layers, ids.shape[0], S_MAX, model.config.num_key_value_heads,
+                                  model.config.head_dim)
+    assert np.all(k[:, :, P + D :] == 0) and np.all(v[:, :, P + D :] == 0)  # nothing written past the last token
+    assert np.all(np.any(k[:, :, P + D - 1] != 0, axis=(-1, -2)))  # ... and the last token written at its slot
     return np.concatenate([np.asarray(x) for x in out], axis=1), cache
 
 
@@ -150,6 +166,29 @@ def test_cached_decode_matches_full_forward(arch, models):
     start = P - 4
     alone = forward(model, ids[row : row + 1, start:], positions[row : row + 1, start : P + D])
     np.testing.assert_array_less(np.abs(alone[0] - uncached[row, start:]).max(), 1e-5)
+
+
+@pytest.mark.parametrize("grow_after", [1, 3])
+def test_cache_grown_mid_decode_matches_full_forward(grow_after, models):
+    """A cache that starts short and grows (the sampler's segmented decode) computes what the
+    uncached forward does, to the 1e-5 of the fixed-size cache (the padded slots are masked)."""
+    model = models["qwen3"]
+    ids, mask, positions = left_padded(model.config.vocab_size)
+    valid = np.asarray(mask[:, : P + D])
+    grown, uncached = decode(model, ids, mask, positions, grow_after)[0], full(model, ids, mask, positions)
+    np.testing.assert_array_less(np.abs(grown - uncached)[valid].max(), 1e-5)
+
+
+def test_grow_cache_keeps_slots_and_refuses_to_shrink(models):
+    config = models["qwen3"].config
+    cache = init_cache(config, 2, 4)
+    cache = KVCache(tuple(k + 1.0 for k in cache.k), tuple(v + 2.0 for v in cache.v))
+    k, v = by_slot(grow_cache(cache, 7))
+    assert k.shape[2] == v.shape[2] == 7
+    assert np.all(k[:, :, :4] == 1.0) and np.all(v[:, :, :4] == 2.0)
+    assert np.all(k[:, :, 4:] == 0) and np.all(v[:, :, 4:] == 0)
+    with pytest.raises(ValueError, match="below the cache's 4 slots"):
+        grow_cache(cache, 3)
 
 
 # ====================================================================== HF mapping
@@ -252,9 +291,10 @@ def test_fp8_kv_cache_changes_only_cached_decode(models):
     np.testing.assert_array_equal(full(fp8, ids, mask, positions), full(model, ids, mask, positions))
     (exact, exact_cache), (rounded, fp8_cache) = decode(model, ids, mask, positions), decode(fp8, ids, mask, positions)
     # what the cache holds is on the E4M3 grid (rounding again changes nothing); the exact cache is not
-    for kv in (fp8_cache.k, fp8_cache.v):
-        np.testing.assert_array_equal(quantize_dequantize(np.asarray(kv), "fp8_e4m3"), np.asarray(kv))
-    assert not np.array_equal(quantize_dequantize(np.asarray(exact_cache.k), "fp8_e4m3"), np.asarray(exact_cache.k))
+    for kv in by_slot(fp8_cache):  # [.., kvh, hd]: the write layout the scale groups refer to
+        np.testing.assert_array_equal(quantize_dequantize(kv, "fp8_e4m3"), kv)
+    exact_k = by_slot(exact_cache)[0]
+    assert not np.array_equal(quantize_dequantize(exact_k, "fp8_e4m3"), exact_k)
     diff = np.abs(log_softmax(rounded) - log_softmax(exact))[valid]
     assert np.isfinite(rounded).all()
     assert 1e-3 < diff.max() < 1.0, diff.max()  # measured 0.5: E4M3 has 3 mantissa bits

@@ -31,9 +31,10 @@ sys.path.insert(0, str(HERE.parent))
 
 from conftest_models import CONFIGS, hf_models, tiny_checkpoints  # noqa: E402,F401  (fixtures)
 from factories import log_softmax, sampler_info, truncated_distribution  # noqa: E402
-from hetrl.core.correction import LossInputs, PRESETS, grpo_advantages, policy_loss, replay_logprobs  # noqa: E402
+from hetrl.core.correction import LossInputs, PRESETS, grpo_advantages, policy_loss  # noqa: E402
 from hetrl.core.schema import Rollout, RolloutBatch, SamplingParams, SamplingSupport, collate  # noqa: E402
 from hetrl.models import ModelConfig, load_state_dict  # noqa: E402
+from hetrl.parity import reference_logprobs, transformers_logits, update_relative_error  # noqa: E402
 
 ARCHS = ("qwen3", "qwen2")
 WORKER_TIMEOUT_S = 240
@@ -122,21 +123,13 @@ def model_batch(next_logits, vocab: int, seed: int, rows: int = 8) -> RolloutBat
 # ====================================================================== parent-side fixtures
 
 
-def hf_logits(model, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    import torch
-
-    with torch.no_grad():
-        out = model(input_ids=torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(mask).long())
-    return out.logits.float().numpy()
-
-
 @pytest.fixture(scope="module")
 def batches(hf_models):
     """Two rollout batches per architecture, sampled from the transformers model."""
     out = {}
     for arch in ARCHS:
         model = hf_models[arch]
-        next_logits = lambda ids, model=model: hf_logits(model, ids[None], np.ones((1, len(ids)), bool))[0, -1]  # noqa: E731
+        next_logits = lambda ids, model=model: transformers_logits(model, ids[None], np.ones((1, len(ids)), bool))[0, -1]  # noqa: E731
         out[arch] = [model_batch(next_logits, CONFIGS[arch].vocab_size, seed) for seed in (0, 1)]
     return out
 
@@ -212,17 +205,6 @@ def multi_process(tiny_checkpoints, batch_files, tmp_path_factory):  # noqa: F81
         out[name] = [(json.loads((directory / f"rank{r}" / "result.json").read_text()),
                       load_file(directory / f"rank{r}" / "arrays.safetensors")) for r in range(2)]
     return out
-
-
-def reference_logprobs(logits: np.ndarray, batch: RolloutBatch, replay: bool = True) -> np.ndarray:
-    """log p(a) [B, L] from logits in numpy: mask replay on kept rows (the core's
-    replay_logprobs) when ``replay``, the full log-softmax elsewhere."""
-    temperature = batch.temperature.astype(np.float64)
-    z = logits.astype(np.float64)
-    full = log_softmax(z / temperature[:, None, None])
-    full_a = np.take_along_axis(full, batch.target_ids[..., None].astype(np.int64), -1)[..., 0]
-    replayed, _ = replay_logprobs(z, batch.target_ids, batch.support_ids, batch.support_mask, temperature)
-    return np.where(batch.support_kept[:, None] & replay, replayed, full_a)
 
 
 def reference_loss(logits, batch: RolloutBatch, xp_asarray, config=PRESETS["hetrl"], old_logprobs=None) -> float:
@@ -305,7 +287,7 @@ def test_fp32_logprobs_match_transformers_and_jax(arch, parity, hf_models, tiny_
     _, arrays = parity
     ids, mask = right_padded_ids(CONFIGS[arch].vocab_size)
     ours = arrays[f"{arch}.fp32.logprobs_full"]
-    ref = log_softmax(hf_logits(hf_models[arch], ids, mask).astype(np.float64))
+    ref = log_softmax(transformers_logits(hf_models[arch], ids, mask).astype(np.float64))
     jax_logits = np.asarray(load_hf(tiny_checkpoints[arch])(jnp.asarray(ids), attention_mask=jnp.asarray(mask))[0])
     jax_ref = log_softmax(jax_logits.astype(np.float64))
     assert ours.shape == ref.shape == (*ids.shape, CONFIGS[arch].vocab_size)
@@ -321,7 +303,7 @@ def test_parity_can_fail(parity, hf_models):
     """A naive [q; k; v] fusion instead of megatron's per-group layout is far from transformers."""
     _, arrays = parity
     ids, mask = right_padded_ids(CONFIGS["qwen3"].vocab_size)
-    ref = log_softmax(hf_logits(hf_models["qwen3"], ids, mask).astype(np.float64))
+    ref = log_softmax(transformers_logits(hf_models["qwen3"], ids, mask).astype(np.float64))
     assert np.abs(arrays["qwen3.naive_qkv.logprobs_full"] - ref)[mask].max() > 1e-2
 
 
@@ -330,13 +312,13 @@ def test_parity_can_fail(parity, hf_models):
 def test_replayed_logprobs_match_transformers(arch, parity, batches, hf_models):
     _, arrays = parity
     batch = batches[arch][0]
-    ref = reference_logprobs(hf_logits(hf_models[arch], batch.input_ids, batch.attention_mask), batch)
+    ref = reference_logprobs(transformers_logits(hf_models[arch], batch.input_ids, batch.attention_mask), batch)
     ours = arrays[f"{arch}.fp32.logprobs_batch"]
     m = batch.loss_mask
     assert batch.support_kept.any() and not batch.support_kept.all()
     assert np.abs(ours - ref)[m].max() < 1e-5
     # replay changes the kept rows: the full-vocabulary log-probs there are different
-    full = log_softmax(hf_logits(hf_models[arch], batch.input_ids, batch.attention_mask).astype(np.float64)
+    full = log_softmax(transformers_logits(hf_models[arch], batch.input_ids, batch.attention_mask).astype(np.float64)
                        / batch.temperature[:, None, None].astype(np.float64))
     full_a = np.take_along_axis(full, batch.target_ids[..., None].astype(np.int64), -1)[..., 0]
     assert np.abs(ours - full_a)[m & batch.support_kept[:, None]].max() > 1e-2
@@ -353,7 +335,7 @@ def test_loss_equals_policy_loss_of_transformers_and_jax_logits(arch, parity, ba
     result, _ = parity
     batch = batches[arch][0]
     ours = result[f"{arch}.fp32.metrics"]["loss"]
-    ref = reference_loss(torch.from_numpy(hf_logits(hf_models[arch], batch.input_ids, batch.attention_mask)), batch, torch.from_numpy)
+    ref = reference_loss(torch.from_numpy(transformers_logits(hf_models[arch], batch.input_ids, batch.attention_mask)), batch, torch.from_numpy)
     jax_logits = load_hf(tiny_checkpoints[arch])(jnp.asarray(batch.input_ids), attention_mask=jnp.asarray(batch.attention_mask))[0]
     jax_ref = reference_loss(jax_logits, batch, jnp.asarray)
     print(f"{arch} loss megatron {ours:.8f} transformers {ref:.8f} jax {jax_ref:.8f}")
@@ -375,7 +357,7 @@ def test_sequence_mean_and_ppo_clip_losses(variant, parity, batches, hf_models):
     result, arrays = parity
     batch = batches["qwen3"][0]
     preset, overrides = VARIANTS[variant]
-    logits = hf_logits(hf_models["qwen3"], batch.input_ids, batch.attention_mask)
+    logits = transformers_logits(hf_models["qwen3"], batch.input_ids, batch.attention_mask)
     old = None
     if variant == "ppo_clip":
         old = torch.from_numpy(reference_logprobs(logits, batch, replay=False).astype(np.float32) * batch.loss_mask)
@@ -396,7 +378,7 @@ def test_bf16_logprobs_close_to_fp32_transformers(arch, parity, hf_models, tiny_
 
     result, arrays = parity
     ids, mask = right_padded_ids(CONFIGS[arch].vocab_size)
-    ref = log_softmax(hf_logits(hf_models[arch], ids, mask).astype(np.float64))
+    ref = log_softmax(transformers_logits(hf_models[arch], ids, mask).astype(np.float64))
     ours = arrays[f"{arch}.bf16.logprobs_full"]
     jax_bf16 = with_numerics(load_hf(tiny_checkpoints[arch]), Numerics(compute_dtype=jnp.bfloat16))
     jax_ours = log_softmax(np.asarray(jax_bf16(jnp.asarray(ids), attention_mask=jnp.asarray(mask))[0], np.float64))
@@ -443,14 +425,10 @@ def test_adamw_step_matches_jax_trainer(parity, batches, tiny_checkpoints):  # n
     metrics = trainer.train_step(batches[arch][0])
     after = trainer.export_hf_weights()
     assert abs(metrics["loss"] - result[f"{arch}.fp32.metrics"]["loss"]) < 1e-5
-    worst = 0.0
-    for name in before:
-        jax_update = after[name].astype(np.float64) - before[name]
-        meg_update = arrays[f"{arch}.after_step.{name}"].astype(np.float64) - before[name]
-        rel = np.linalg.norm(meg_update - jax_update) / max(np.linalg.norm(jax_update), 1e-12)
-        worst = max(worst, rel)
-        assert np.linalg.norm(jax_update) > 0, name
-    print(f"AdamW update, megatron vs jax trainer: worst relative error {worst:.2e}")
+    assert all(not np.array_equal(after[name], before[name]) for name in before)
+    meg_after = {name: arrays[f"{arch}.after_step.{name}"] for name in before}
+    worst, name = update_relative_error(before, meg_after, before, after)
+    print(f"AdamW update, megatron vs jax trainer: worst relative error {worst:.2e} ({name})")
     assert worst < 1e-4
 
 

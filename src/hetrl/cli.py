@@ -1,20 +1,28 @@
-"""The ``hetrl`` command line: ``hetrl train|experiment|parity|bench|fleet`` (DESIGN §1).
+"""The ``hetrl`` command line: ``hetrl train|warmstart|parity|experiment|bench|fleet`` (DESIGN §1).
 
-``hetrl train CONFIG [--set KEY=VALUE]... [--dry-run]`` loads and validates the run config
-(:mod:`hetrl.config`); with ``--dry-run`` it prints it resolved, otherwise it runs the
-asynchronous loop with the local (threaded) backend (:mod:`hetrl.orchestrator.local`) and prints
-a short summary. The rest says plainly when its machinery has not landed yet instead of
+``hetrl train CONFIG [--set KEY=VALUE]... [--backend local|ray] [--dry-run]`` loads and
+validates the run config (:mod:`hetrl.config`); with ``--dry-run`` it prints it resolved,
+otherwise it runs the asynchronous loop on the config's backend and prints a short summary.
+Other commands live in their own modules (:data:`COMMANDS`): each exposes
+``add_arguments(parser)`` and ``run(args) -> exit code`` and imports its heavy dependencies only
+inside ``run``. The rest says plainly when its machinery has not landed yet instead of
 pretending to run.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+
+#: Subcommands implemented in their own module: name -> (module, help).
+COMMANDS: dict[str, tuple[str, str]] = {
+    "warmstart": ("hetrl.warmstart.command", "train the tiny policy from scratch on solved tasks (the RL starting point)"),
+    "parity": ("hetrl.parity", "cross-backend numerical parity on one checkpoint (log-probs, loss, AdamW update)"),
+}
 
 NOT_YET = {
     "experiment": "the experiment grid (needs `hetrl train`)",
-    "parity": "cross-backend parity (needs the JAX and Megatron trainers)",
     "fleet": "fleet inspection (needs the samplers)",
     "bench": "benchmark dispatch (run the scripts in bench/ directly for now)",
 }
@@ -30,9 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="override a config value, e.g. --set fleet.pools[0].replicas=2 (value parsed as YAML)")
     train.add_argument("--trainer", choices=("jax", "megatron"), default=None,
                        help="shorthand for --set trainer.kind=...")
+    train.add_argument("--backend", choices=("local", "ray"), default=None,
+                       help="shorthand for --set backend=...: threads in one process, or Ray actors")
     train.add_argument("--dry-run", action="store_true", help="print the resolved config as YAML and exit")
-    for name in ("experiment", "parity", "bench", "fleet"):
-        sub.add_parser(name, help=NOT_YET[name])
+    for name, (module, help_text) in COMMANDS.items():
+        importlib.import_module(module).add_arguments(sub.add_parser(name, help=help_text))
+    for name, help_text in NOT_YET.items():
+        sub.add_parser(name, help=help_text)
     return parser
 
 
@@ -41,7 +53,8 @@ def _train(args: argparse.Namespace) -> int:
     ``--dry-run`` print it resolved and exit 0; otherwise train (exit 0 when every step ran)."""
     from hetrl.config import ConfigError, load_config
 
-    overrides = list(args.overrides) + ([f"trainer.kind={args.trainer}"] if args.trainer else [])
+    overrides = (list(args.overrides) + ([f"trainer.kind={args.trainer}"] if args.trainer else [])
+                 + ([f"backend={args.backend}"] if args.backend else []))
     try:
         config = load_config(args.config, overrides)
     except ConfigError as err:
@@ -50,11 +63,11 @@ def _train(args: argparse.Namespace) -> int:
     if args.dry_run:
         sys.stdout.write(config.to_yaml())
         return 0
-    from hetrl.orchestrator.local import LocalOrchestrator
+    from hetrl.orchestrator import build_orchestrator
     from hetrl.orchestrator.report import summary_lines
 
     try:
-        orchestrator = LocalOrchestrator(config)
+        orchestrator = build_orchestrator(config)
     except ConfigError as err:
         print(f"hetrl train: {err}", file=sys.stderr)
         return 1
@@ -68,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "train":
         return _train(args)
+    if args.command in COMMANDS:
+        return importlib.import_module(COMMANDS[args.command][0]).run(args)
     print(f"hetrl {args.command}: not available yet: {NOT_YET[args.command]} has not landed.", file=sys.stderr)
     return 2
 

@@ -4,7 +4,9 @@ A :class:`RunConfig` has the sections ``model``, ``trainer`` (a discriminated un
 ``jax`` | ``megatron``), ``fleet`` (:class:`hetrl.samplers.fleet.FleetConfig`), ``correction``
 (a preset of :data:`hetrl.core.correction.PRESETS` plus threshold overrides), ``async``
 (group and batch sizes, sampling, ``max_staleness``, weight-update mode), ``environment``,
-``logging`` and ``checkpointing``. Every model forbids unknown keys, so a typo fails naming it.
+``logging``, ``checkpointing`` and ``ray`` (settings of ``backend: ray``; ``backend`` picks the
+orchestrator backend, ``local`` or ``ray``). Every model forbids unknown keys, so a typo fails
+naming it.
 
 Ownership: each setting lives in exactly one section. The correction is configured only in
 ``correction`` and checkpoints only in ``checkpointing``; the trainer sections hold the
@@ -32,6 +34,7 @@ from hetrl.core.correction import CorrectionConfig, correction_preset
 from hetrl.core.schema import SamplingParams
 from hetrl.samplers.fleet import FleetConfig
 from hetrl.trainer_megatron.config import OptimizerSettings
+from hetrl.warmstart.config import WarmstartConfig
 from hetrl.trainer_jax.config import (
     CheckpointConfig,
     DistributedConfig,
@@ -44,7 +47,7 @@ from hetrl.trainer_jax.config import (
 __all__ = [
     "ConfigError", "ModelSection", "JaxTrainerSection", "MegatronTrainerSection",
     "TrainerSection", "CorrectionSection", "AsyncSection", "EnvironmentSection", "LoggingSection",
-    "CheckpointingSection", "RunConfig", "CONFIG_DIR", "load_config", "validate_config", "apply_override",
+    "CheckpointingSection", "RaySection", "RunConfig", "CONFIG_DIR", "load_config", "validate_config", "apply_override",
     "resolve_config_path",
 ]
 
@@ -62,27 +65,46 @@ class _Strict(BaseModel):
 
 # ====================================================================== sections
 class ModelSection(_Strict):
-    """The policy checkpoint: ``tiny`` (a tiny Qwen built on the fly by :mod:`hetrl.models.tiny`
-    with ``seed``) or ``path`` (an HF checkpoint directory); exactly one."""
+    """The policy checkpoint; exactly one of:
+
+    * ``tiny``: a tiny Qwen with random weights built on the fly (:mod:`hetrl.models.tiny`, ``seed``);
+    * ``warmstart``: the tiny Qwen3 warm-started by ``hetrl warmstart`` with these settings
+      (:class:`~hetrl.warmstart.config.WarmstartConfig`), trained once if not there yet;
+    * ``path``: an HF checkpoint directory.
+
+    Built models are cached under ``cache_dir`` (None: the directory the caller passes, the run's
+    own), named by their settings, so runs with the same settings share one."""
 
     tiny: Literal["qwen3", "qwen2"] | None = None
     seed: int = Field(0, ge=0)
+    warmstart: WarmstartConfig | None = None
     path: str | None = None
+    cache_dir: str | None = None
 
     @model_validator(mode="after")
     def _one(self) -> "ModelSection":
-        if (self.tiny is None) == (self.path is None):
-            raise ValueError("set exactly one of 'tiny' (a tiny model built on the fly) or 'path' (an HF checkpoint)")
+        if sum(x is not None for x in (self.tiny, self.warmstart, self.path)) != 1:
+            raise ValueError("set exactly one of 'tiny' (a tiny model built on the fly), 'warmstart' (a tiny model "
+                             "warm-started by `hetrl warmstart`) or 'path' (an HF checkpoint)")
         return self
 
-    def materialize(self, cache_dir: str | pathlib.Path) -> pathlib.Path:
-        """The checkpoint directory: ``path``, or the tiny checkpoint built (once) under
-        ``cache_dir``."""
+    def materialize(self, cache_dir: str | pathlib.Path, *, console: bool = True) -> pathlib.Path:
+        """The checkpoint directory: ``path``, or the tiny / warm-started checkpoint built (once)
+        under ``self.cache_dir`` or else ``cache_dir``."""
         if self.path is not None:
             return pathlib.Path(self.path)
+        root = pathlib.Path(self.cache_dir if self.cache_dir is not None else cache_dir)
+        if self.warmstart is not None:
+            from hetrl.warmstart.command import default_directory
+            from hetrl.warmstart.train import RESULT_FILE, run_warmstart
+
+            target = default_directory(self.warmstart.key(), root)
+            if not (target / RESULT_FILE).exists():
+                run_warmstart(self.warmstart, target, console=console)
+            return target
         from hetrl.models.tiny import TINY_QWEN2, TINY_QWEN3, build_tiny_checkpoint
 
-        target = pathlib.Path(cache_dir) / f"tiny-{self.tiny}-seed{self.seed}"
+        target = root / f"tiny-{self.tiny}-seed{self.seed}"
         if not (target / "config.json").exists():
             build_tiny_checkpoint(target, TINY_QWEN3 if self.tiny == "qwen3" else TINY_QWEN2, seed=self.seed)
         return target
@@ -188,12 +210,24 @@ class EnvironmentSection(_Strict):
 
 
 class LoggingSection(_Strict):
-    """Metrics every ``every`` steps to the console and/or a JSON-lines file ``jsonl_path``."""
+    """Metrics every ``every`` steps to the console and/or a JSON-lines file ``jsonl_path``,
+    and as TensorBoard event files in ``tensorboard_dir`` (None: ``<output_dir>/tensorboard``)."""
 
     every: int = Field(1, ge=1)
     console: bool = True
     jsonl_path: str | None = None
+    tensorboard_dir: str | None = None
     level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+class RaySection(_Strict):
+    """The Ray backend (``backend: ray``): ``address`` of a running cluster (None: start a
+    private local instance with ``num_cpus`` CPUs, default all, its files under ``temp_dir``,
+    default a fresh short directory in /tmp)."""
+
+    address: str | None = None
+    num_cpus: int | None = Field(None, ge=1)
+    temp_dir: str | None = None
 
 
 class CheckpointingSection(CheckpointConfig):
@@ -204,7 +238,9 @@ class CheckpointingSection(CheckpointConfig):
 
 
 class RunConfig(_Strict):
-    """A whole run: ``steps`` trainer steps seeded by ``seed``, outputs under ``output_dir``."""
+    """A whole run: ``steps`` trainer steps seeded by ``seed``, outputs under ``output_dir``,
+    on the ``backend`` ``local`` (threads in one process) or ``ray`` (pool replicas and the
+    trainer in Ray actors; settings in ``ray``)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
@@ -212,6 +248,7 @@ class RunConfig(_Strict):
     seed: int = Field(0, ge=0)
     steps: int = Field(100, ge=1)
     output_dir: str = "runs"
+    backend: Literal["local", "ray"] = "local"
     model: ModelSection
     trainer: TrainerSection = JaxTrainerSection()
     fleet: FleetConfig
@@ -220,6 +257,7 @@ class RunConfig(_Strict):
     environment: EnvironmentSection = EnvironmentSection()
     logging: LoggingSection = LoggingSection()
     checkpointing: CheckpointingSection = CheckpointingSection()
+    ray: RaySection = RaySection()
 
     def jax_trainer_config(self) -> JaxTrainerConfig:
         """The full :class:`JaxTrainerConfig` of a ``kind: jax`` trainer."""

@@ -227,25 +227,35 @@ class SyntheticSuite:
         return tuple(t for t in getattr(self, split) if t.tier == tier)
 
 
-@functools.lru_cache(maxsize=8)
-def synthetic_suite(seed: int = 0, tiers: tuple[int, ...] = (1, 2, 3), heldout_fraction: float = 0.2,
-                    max_per_tier: int | None = 400, n_visible: int = 3, n_hidden: int = 8) -> SyntheticSuite:
-    """The suite for ``seed``: per tier, the distinct functions are shuffled by ``seed``, at most
-    ``max_per_tier`` kept, and the first ``heldout_fraction`` of them (at least one) held out."""
+def split_programs(seed: int = 0, tiers: tuple[int, ...] = (1, 2, 3), heldout_fraction: float = 0.2,
+                   max_per_tier: int | None = 400) -> tuple[tuple[Program, ...], tuple[Program, ...]]:
+    """``(train, heldout)`` programs for ``seed``: per tier, the distinct functions are shuffled by
+    ``seed``, at most ``max_per_tier`` kept, and the first ``heldout_fraction`` of them (at least
+    one) held out. The two sets are disjoint functions."""
     if not 0 < heldout_fraction < 1:
         raise ValueError("heldout_fraction must be in (0, 1)")
     by_tier = programs_by_tier(max(tiers))
-    train: list[FunctionTask] = []
-    heldout: list[FunctionTask] = []
+    train: list[Program] = []
+    heldout: list[Program] = []
     for tier in sorted(tiers):
         programs = list(by_tier[tier])
         order = np.random.default_rng([seed, tier]).permutation(len(programs))
         chosen = [programs[i] for i in order[: max_per_tier or len(programs)]]
         n_held = max(1, int(round(heldout_fraction * len(chosen))))
-        heldout += [make_task(p, seed, n_visible, n_hidden) for p in chosen[:n_held]]
-        train += [make_task(p, seed, n_visible, n_hidden) for p in chosen[n_held:]]
+        heldout += chosen[:n_held]
+        train += chosen[n_held:]
+    return tuple(train), tuple(heldout)
 
-    def ordered(tasks: list[FunctionTask]) -> tuple[FunctionTask, ...]:
-        return tuple(sorted(tasks, key=lambda t: (t.tier, t.task_id)))
 
-    return SyntheticSuite(train=ordered(train), heldout=ordered(heldout))
+@functools.lru_cache(maxsize=8)
+def synthetic_suite(seed: int = 0, tiers: tuple[int, ...] = (1, 2, 3), heldout_fraction: float = 0.2,
+                    max_per_tier: int | None = 400, n_visible: int = 3, n_hidden: int = 8) -> SyntheticSuite:
+    """The suite for ``seed``: the programs of :func:`split_programs`, one task each (examples
+    drawn with ``seed``)."""
+    train, heldout = split_programs(seed, tiers, heldout_fraction, max_per_tier)
+
+    def tasks(programs: tuple[Program, ...]) -> tuple[FunctionTask, ...]:
+        made = [make_task(p, seed, n_visible, n_hidden) for p in programs]
+        return tuple(sorted(made, key=lambda t: (t.tier, t.task_id)))
+
+    return SyntheticSuite(train=tasks(train), heldout=tasks(heldout))

@@ -51,7 +51,7 @@ from hetrl.models.config import ModelConfig
 from hetrl.models.hf_io import check_state_dict, load_state_dict
 
 __all__ = [
-    "Numerics", "KVCache", "PARTITIONING", "init_cache", "contract", "QwenModel", "with_numerics",
+    "Numerics", "KVCache", "PARTITIONING", "init_cache", "grow_cache", "contract", "QwenModel", "with_numerics",
     "from_hf_state_dict", "to_hf_state_dict", "load_state_into", "load_hf",
 ]
 
@@ -103,18 +103,42 @@ class Numerics:
 
 
 class KVCache(NamedTuple):
-    """Keys and values of every layer by slot (a pytree): ``k``, ``v`` of shape
-    ``[num_layers, B, S_max, num_kv_heads, head_dim]``; K is stored after RoPE."""
+    """Keys and values by slot, one array per layer (a pytree): ``k[i]`` of shape
+    ``[B, num_kv_heads, head_dim, S_max]`` (keys after RoPE, transposed: slots last) and ``v[i]``
+    of shape ``[B, num_kv_heads, S_max, head_dim]``.
 
-    k: jax.Array
-    v: jax.Array
+    The layout is the one decode attention reads without copying: ``q k^T`` contracts
+    ``[.., g, hd] x k[i] [.., hd, S]`` and ``probs v`` contracts ``[.., g, S] x v[i] [.., S, hd]``,
+    both plain batched row-major matmuls over the leading ``(B, kvh)`` batch dims. Stored as
+    ``[B, S, kvh, hd]``, XLA copies a transposed K and V of every layer at every decode step, and
+    a stacked ``[num_layers, ...]`` array is copied when sliced per layer; one array per layer in
+    this layout is read in place and each write is an in-place update."""
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+
+    @property
+    def max_len(self) -> int:
+        """``S_max``, the number of slots."""
+        return self.v[0].shape[2]
 
 
 def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=jnp.float32) -> KVCache:
     """An all-zero cache of ``max_len`` slots; pass ``dtype=numerics.compute_dtype`` (a narrower
     dtype rounds K/V once more on write)."""
-    shape = (config.num_hidden_layers, batch_size, max_len, config.num_key_value_heads, config.head_dim)
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    B, kvh, hd, n = batch_size, config.num_key_value_heads, config.head_dim, config.num_hidden_layers
+    return KVCache(tuple(jnp.zeros((B, kvh, hd, max_len), dtype) for _ in range(n)),
+                   tuple(jnp.zeros((B, kvh, max_len, hd), dtype) for _ in range(n)))
+
+
+def grow_cache(cache: KVCache, max_len: int) -> KVCache:
+    """``cache`` with ``max_len >= cache.max_len`` slots: the old slots unchanged, the new ones
+    zero (one copy of the cache)."""
+    extra = max_len - cache.max_len
+    if extra < 0:
+        raise ValueError(f"grow_cache: max_len {max_len} is below the cache's {cache.max_len} slots")
+    return KVCache(tuple(jnp.pad(k, ((0, 0), (0, 0), (0, 0), (0, extra))) for k in cache.k),
+                   tuple(jnp.pad(v, ((0, 0), (0, 0), (0, extra), (0, 0))) for v in cache.v))
 
 
 # ====================================================================== contractions
@@ -203,6 +227,13 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]).astype(x.dtype)
 
 
+def _write_slots(buf: jax.Array, x: jax.Array, axes: str, fmt: str, index) -> jax.Array:
+    """``buf`` (a cache array whose axes are ``axes``, a permutation of ``"bksd"``) with
+    ``x [B, L, kvh, hd]``, rounded to ``fmt`` as one write, at slots ``[index, index + L)``."""
+    x = jnp.einsum(f"bskd->{axes}", quantize_dequantize(x, fmt).astype(buf.dtype))
+    return jax.lax.dynamic_update_slice(buf, x, tuple(index if a == "s" else 0 for a in axes))
+
+
 class Attention(nnx.Module):
     """Grouped-query self-attention with RoPE (+ QK-norm for Qwen3, q/k/v biases for Qwen2)."""
 
@@ -222,11 +253,13 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def __call__(self, x, cos, sin, allowed, numerics: Numerics, cache: KVCache | None, layer: int, cache_index):
-        """``x [B, L, H]`` -> ``([B, L, H], cache)``. ``allowed [B, L, S]`` bool: query ``i`` may
-        read key slot ``j``. With a cache, this layer's K/V (after ``kv_format`` rounding) are
-        written at slots ``[cache_index, cache_index + L)`` of ``cache[layer]`` and attention reads
-        all ``S_max`` slots of it; without, it reads the ``L`` new keys."""
+    def __call__(self, x, cos, sin, allowed, numerics: Numerics, kv: tuple[jax.Array, jax.Array] | None, cache_index):
+        """``x [B, L, H]`` -> ``([B, L, H], kv)``. ``allowed [B, L, S]`` bool: query ``i`` may
+        read key slot ``j``. With ``kv``, this layer's cache entry ``(k [B, kvh, hd, S_max],
+        v [B, kvh, S_max, hd])`` (:class:`KVCache`), the new K/V (after ``kv_format`` rounding,
+        applied to the ``[B, L, kvh, hd]`` write) are written at slots ``[cache_index,
+        cache_index + L)`` and attention reads all ``S_max`` slots; without, it reads the ``L``
+        new keys (``kv`` stays None)."""
         B, L, _ = x.shape
         nh, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
         q = self.q_proj(x, numerics).reshape(B, L, nh, hd)
@@ -235,19 +268,23 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:
-            start = (layer, 0, cache_index, 0, 0)
-            ck = jax.lax.dynamic_update_slice(cache.k, quantize_dequantize(k, numerics.kv_format).astype(cache.k.dtype)[None], start)
-            cv = jax.lax.dynamic_update_slice(cache.v, quantize_dequantize(v, numerics.kv_format).astype(cache.v.dtype)[None], start)
-            cache = KVCache(ck, cv)
-            k, v = ck[layer].astype(numerics.compute_dtype), cv[layer].astype(numerics.compute_dtype)
         qg = q.reshape(B, L, kvh, nh // kvh, hd)  # query head j = kv head (j // g), group (j % g)
-        scores = contract("blkgd,bskd->bkgls", qg, k, numerics).astype(numerics.softmax_dtype)
+        # axes of q (and the attention output), k and v: as projected, or as the cache stores
+        # them, with q and the output made to match (batch dims b, k leading in every operand)
+        q_axes, k_axes, v_axes = "blkgd", "bskd", "bskd"
+        if kv is not None:
+            q_axes, k_axes, v_axes = "bkgld", "bkds", "bksd"
+            kv = (_write_slots(kv[0], k, k_axes, numerics.kv_format, cache_index),
+                  _write_slots(kv[1], v, v_axes, numerics.kv_format, cache_index))
+            k, v = kv[0].astype(numerics.compute_dtype), kv[1].astype(numerics.compute_dtype)
+            qg = jnp.einsum(f"blkgd->{q_axes}", qg)
+        scores = contract(f"{q_axes},{k_axes}->bkgls", qg, k, numerics).astype(numerics.softmax_dtype)
         scores = scores * jnp.asarray(hd**-0.5, numerics.softmax_dtype)
         scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(numerics.softmax_dtype).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(numerics.compute_dtype)
-        out = contract("bkgls,bskd->blkgd", probs, v, numerics).astype(numerics.compute_dtype)
-        return self.o_proj(out.reshape(B, L, nh * hd), numerics), cache
+        out = contract(f"bkgls,{v_axes}->{q_axes}", probs, v, numerics).astype(numerics.compute_dtype)
+        out = jnp.einsum(f"{q_axes}->blkgd", out)
+        return self.o_proj(out.reshape(B, L, nh * hd), numerics), kv
 
 
 class MLP(nnx.Module):
@@ -272,10 +309,10 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, param_dtype=param_dtype)
         self.mlp = MLP(config, rngs=rngs, param_dtype=param_dtype)
 
-    def __call__(self, h, cos, sin, allowed, numerics, cache, layer, cache_index):
-        a, cache = self.self_attn(self.input_layernorm(h), cos, sin, allowed, numerics, cache, layer, cache_index)
+    def __call__(self, h, cos, sin, allowed, numerics, kv, cache_index):
+        a, kv = self.self_attn(self.input_layernorm(h), cos, sin, allowed, numerics, kv, cache_index)
         h = h + a
-        return h + self.mlp(self.post_attention_layernorm(h), numerics), cache
+        return h + self.mlp(self.post_attention_layernorm(h), numerics), kv
 
 
 class QwenModel(nnx.Module):
@@ -293,7 +330,18 @@ class QwenModel(nnx.Module):
         self.lm_head = None if config.tie_word_embeddings else Linear(H, V, use_bias=False, column=True, rngs=rngs, param_dtype=param_dtype)
 
     def __call__(self, input_ids, positions=None, attention_mask=None, cache=None, cache_index=None) -> tuple[jax.Array, KVCache | None]:
-        """Logits of ``input_ids [B, L]`` (int32).
+        """Logits of ``input_ids [B, L]`` (int32): ``logits(hidden_states(...))``.
+
+        Returns ``(logits [B, L, V] float32, updated cache or None)``; the arguments are those of
+        :meth:`hidden_states`.
+        """
+        h, cache = self.hidden_states(input_ids, positions, attention_mask, cache, cache_index)
+        return self.logits(h), cache
+
+    def hidden_states(self, input_ids, positions=None, attention_mask=None, cache=None,
+                      cache_index=None) -> tuple[jax.Array, KVCache | None]:
+        """The final-normed hidden states ``rms(h) [B, L, H]`` (compute dtype) of ``input_ids
+        [B, L]`` (int32), before the LM head.
 
         * ``positions [B, L]`` int32 (default ``arange(L)`` in every row) feed RoPE only.
         * ``attention_mask [B, S]`` bool over KEY slots (True = may be attended), ``S = L``
@@ -306,8 +354,8 @@ class QwenModel(nnx.Module):
           caller's to guarantee (``dynamic_update_slice`` clamps the start otherwise).
 
         A query whose every key is masked gets a uniform average (finite, meaningless): only
-        positions with at least one allowed key are defined. Returns ``(logits [B, L, V] float32,
-        updated cache or None)``.
+        positions with at least one allowed key are defined. Returns ``(hidden [B, L, H], updated
+        cache or None)``.
         """
         n = self.numerics
         B, L = input_ids.shape
@@ -320,20 +368,29 @@ class QwenModel(nnx.Module):
         else:
             if cache_index is None:
                 raise ValueError("a cache needs a cache_index")
-            slots = jnp.arange(cache.k.shape[2])
+            slots = jnp.arange(cache.max_len)
             allowed = (slots[None, :] <= cache_index + jnp.arange(L)[:, None])[None]
         if attention_mask is not None:
             allowed = allowed & attention_mask.astype(bool)[:, None, :]
         cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta)
         h = jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(n.compute_dtype)
+        written = []
         for i, layer in enumerate(self.layers):
-            h, cache = layer(h, cos, sin, allowed, n, cache, i, cache_index)
-        h = self.norm(h)
+            h, kv = layer(h, cos, sin, allowed, n, None if cache is None else (cache.k[i], cache.v[i]), cache_index)
+            written.append(kv)
+        if cache is not None:
+            cache = KVCache(tuple(k for k, _ in written), tuple(v for _, v in written))
+        return self.norm(h), cache
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        """``h W_lm`` for final-normed hidden states ``h [B, L, H]`` (:meth:`hidden_states`):
+        logits ``[B, L, V]`` float32."""
+        n = self.numerics
         if self.lm_head is None:
             logits = contract("blh,vh->blv", h, self.embed_tokens[...].astype(n.compute_dtype), n)
         else:
             logits = contract("blh,hv->blv", h, self.lm_head.kernel[...].astype(n.compute_dtype), n)
-        return logits.astype(jnp.float32), cache
+        return logits.astype(jnp.float32)
 
 
 def with_numerics(model: QwenModel, numerics: Numerics) -> QwenModel:

@@ -77,6 +77,21 @@ def save_tokenizer(tokenizer, directory: str | pathlib.Path, max_length: int) ->
     }, indent=1))
 
 
+def save_checkpoint(directory: str | pathlib.Path, config: ModelConfig, state: dict[str, np.ndarray], tokenizer) -> pathlib.Path:
+    """Write a complete HF checkpoint (config, weights, tokenizer files, generation config) of
+    ``state`` with the ``tokenizers.Tokenizer`` ``tokenizer`` to ``directory``; return it."""
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    if tokenizer.get_vocab_size() > config.vocab_size:
+        raise ValueError(f"tokenizer has {tokenizer.get_vocab_size()} tokens, more than vocab_size={config.vocab_size}")
+    config.save(directory)
+    save_state_dict(directory, state)
+    save_tokenizer(tokenizer, directory, config.max_position_embeddings)
+    (directory / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": config.eos_token_id, "pad_token_id": config.pad_token_id}, indent=1))
+    return directory
+
+
 def build_tiny_checkpoint(
     directory: str | pathlib.Path,
     config: ModelConfig = TINY_QWEN3,
@@ -84,15 +99,6 @@ def build_tiny_checkpoint(
     init_std: float = 0.02,
     corpus: Iterable[str] | None = None,
 ) -> pathlib.Path:
-    """Write a complete tiny HF checkpoint to ``directory`` and return its path."""
-    directory = pathlib.Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    """Write a complete tiny HF checkpoint with random weights to ``directory`` and return its path."""
     tokenizer = train_tokenizer(config.vocab_size, corpus if corpus is not None else default_corpus(seed))
-    if tokenizer.get_vocab_size() > config.vocab_size:
-        raise ValueError(f"tokenizer has {tokenizer.get_vocab_size()} tokens, more than vocab_size={config.vocab_size}")
-    config.save(directory)
-    save_state_dict(directory, random_state_dict(config, seed, init_std))
-    save_tokenizer(tokenizer, directory, config.max_position_embeddings)
-    (directory / "generation_config.json").write_text(json.dumps(
-        {"eos_token_id": config.eos_token_id, "pad_token_id": config.pad_token_id}, indent=1))
-    return directory
+    return save_checkpoint(directory, config, random_state_dict(config, seed, init_std), tokenizer)

@@ -1,12 +1,32 @@
 """The asynchronous loop (DESIGN §5): samplers generate continuously, finished groups enter the
 staleness-bounded buffer, the trainer steps as soon as a batch is ready and publishes weights.
 
-:mod:`hetrl.orchestrator.local` is the LOCAL backend (threads in one process);
-:mod:`hetrl.orchestrator.episodes` turns tasks and generations into validated rollouts;
-:mod:`hetrl.orchestrator.report` writes metrics, the live display and plots. A Ray backend
-(pools and trainer as actors, for many machines) is not implemented yet.
+:mod:`hetrl.orchestrator.loop` is the loop, shared by the backends; :mod:`hetrl.orchestrator.local`
+runs samplers and trainer in one process (threads), :mod:`hetrl.orchestrator.ray_backend` in Ray
+actors (the route to many machines); :func:`build_orchestrator` picks one from
+``config.backend``. :mod:`hetrl.orchestrator.episodes` turns tasks and generations into validated
+rollouts; :mod:`hetrl.orchestrator.report` writes metrics (JSON lines and TensorBoard events via
+:mod:`hetrl.orchestrator.tb_events`), the live display and plots.
 """
 
-from hetrl.orchestrator.local import LocalOrchestrator, RunResult, run_local
+from __future__ import annotations
 
-__all__ = ["LocalOrchestrator", "RunResult", "run_local"]
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hetrl.config import RunConfig
+    from hetrl.orchestrator.loop import AsyncOrchestrator
+
+__all__ = ["build_orchestrator"]
+
+
+def build_orchestrator(config: "RunConfig", **kwargs: Any) -> "AsyncOrchestrator":
+    """The orchestrator of ``config.backend`` (``local`` or ``ray``) for ``config``; ``kwargs``
+    go to its constructor. Only the chosen backend's module (and framework) is imported."""
+    if config.backend == "ray":
+        from hetrl.orchestrator.ray_backend import RayOrchestrator
+
+        return RayOrchestrator(config, **kwargs)
+    from hetrl.orchestrator.local import LocalOrchestrator
+
+    return LocalOrchestrator(config, **kwargs)

@@ -1,15 +1,19 @@
-"""Run outputs: metrics JSON lines, the rich live display, PNG plots and the final summary."""
+"""Run outputs: metrics JSON lines and TensorBoard events, the rich live display, PNG plots and the
+final summary."""
 
 from __future__ import annotations
 
 import json
 import math
+import numbers
 import pathlib
 from typing import Any, Mapping, Sequence
 
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
+
+from hetrl.orchestrator.tb_events import EventFileWriter
 
 __all__ = ["MetricsWriter", "LiveDisplay", "write_plots", "summary_lines"]
 
@@ -22,19 +26,29 @@ def _clean(value: Any) -> Any:
 
 
 class MetricsWriter:
-    """Appends one JSON object per record to ``path`` (created with its parents)."""
+    """Appends one JSON object per record to ``path`` (created with its parents) and, with
+    ``tensorboard_dir``, one TensorBoard event per record to a new event file there
+    (:mod:`hetrl.orchestrator.tb_events`): every numeric entry but ``step`` as a scalar at the
+    record's ``step``."""
 
-    def __init__(self, path: str | pathlib.Path):
+    def __init__(self, path: str | pathlib.Path, tensorboard_dir: str | pathlib.Path | None = None):
         self.path = pathlib.Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a", encoding="utf-8")
+        self._events = EventFileWriter(tensorboard_dir) if tensorboard_dir is not None else None
 
     def write(self, record: Mapping[str, Any]) -> None:
         self._file.write(json.dumps({k: _clean(v) for k, v in record.items()}, sort_keys=True) + "\n")
         self._file.flush()
+        if self._events is not None:
+            scalars = {k: float(v) for k, v in record.items()
+                       if k != "step" and isinstance(v, numbers.Real) and not isinstance(v, bool)}
+            self._events.add_scalars(int(record["step"]), scalars)
 
     def close(self) -> None:
         self._file.close()
+        if self._events is not None:
+            self._events.close()
 
 
 def _fmt(value: Any, spec: str = ".3f") -> str:
@@ -116,10 +130,12 @@ def write_plots(history: Sequence[Mapping[str, Any]], pool_names: Sequence[str],
                 ax.plot(xs, ys, marker="." if len(xs) < 30 else None, label=label)
         ax.set_title(title)
         ax.set_xlabel("step")
-        ax.set_xlim(left=min(steps, default=0))
+        first, last = min(steps, default=0), max(steps, default=0)
+        ax.set_xlim(first, max(last, first + 1))  # also when nothing was plotted (a single step, no evaluation)
         if filename == "mismatch.png":
             ax.set_yscale("log")
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # e.g. no held-out evaluation ran: nothing to label
+            ax.legend(fontsize=7)
         fig.tight_layout()
         path = directory / filename
         fig.savefig(path, dpi=100)

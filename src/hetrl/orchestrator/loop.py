@@ -1,0 +1,597 @@
+"""The asynchronous loop (DESIGN §5), shared by every backend: the driver that feeds the fleet,
+plays episodes, buffers groups, steps the trainer, publishes weights and logs.
+
+A backend (:mod:`hetrl.orchestrator.local`: in-process; :mod:`hetrl.orchestrator.ray_backend`:
+Ray actors) only decides where the samplers and the trainer run and how calls reach them: it
+implements :meth:`AsyncOrchestrator._create_sampler` (an object with the
+:class:`hetrl.samplers.base.Sampler` protocol, built by :func:`build_embedded_sampler`) and
+:meth:`AsyncOrchestrator._create_trainer` (a :class:`TrainerHandle`, built by
+:func:`build_jax_trainer`), and may start and stop its machinery. Everything below is the same
+for all backends.
+
+Threads of the driver:
+
+* one **rollout worker per pool replica**: ``fleet.serve_once(replica)`` takes the first turn of
+  groups routed to it; the worker then plays each group's episodes to the end on the same replica
+  (:class:`hetrl.orchestrator.episodes.EpisodeRunner`), with rewards from the environment,
+  validates every rollout (malformed ones are rejected and counted, never trained) and puts the
+  group into the :class:`RolloutBuffer`;
+* the **trainer loop** (the calling thread): ``buffer.take(batch_groups, trainer.version)``
+  returns as soon as that many groups are ready, none older than ``max_staleness`` versions; the
+  batch is collated and trained on with one ``train_step``; the new weights are published to the
+  fleet with the new version.
+
+**Weight updates** (``async.weight_update``). ``between_requests``: replicas load new weights
+between generate calls; a call in flight, and the later turns of its groups, finish on the
+weights they started with. ``abort``: in addition, a group whose generation overlaps a newer
+publication is retracted at the next turn boundary (after its first turn, before each later
+turn, and when its last turn returns): nothing of it is buffered, and its prompt is submitted
+again as a new group, so it is regenerated on the new weights (counted as
+``rollout/retracted``). So no buffered group was overtaken by newer weights while any of its
+turns was generated. The turn running when the weights change still runs to its end (the
+embedded engine has no mid-turn cancel), so abort saves the later turns, not that one.
+
+**Feeding and pacing.** Prompts cycle through the train split of the synthetic coding suite,
+reshuffled every epoch by ``seed``. At most ``(max_staleness + 1) * batch_groups`` groups are
+outstanding (submitted and not yet trained or dropped, buffered ones included; a trained batch
+stops counting once its step is published), so no pool gets far ahead of the trainer; with
+``max_staleness = 0`` this is the synchronous schedule (generate a batch, train on it, publish,
+generate the next). Groups the buffer evicts under ``stale_policy: regenerate`` are sampled again
+under a new group id. Every group id is submitted once and put at most once: a job of a replica
+that dies is re-queued by the fleet and finished elsewhere; a group whose *later* turns fail, or
+that is retracted, is re-submitted under a new group id.
+
+**Outputs** under ``output_dir``: ``metrics.jsonl`` (or ``logging.jsonl_path``) and TensorBoard
+event files in ``logging.tensorboard_dir`` (default ``tensorboard/``), trainer checkpoints every
+``checkpointing.every`` steps and at the end, each with the buffer's snapshot
+``buffer-<step>.json`` beside it; ``plots/*.png``; ``summary.json``. ``checkpointing.resume``
+restores the newest checkpoint and its buffer snapshot.
+
+**Held-out evaluation** every ``environment.options.eval.every`` steps: a fixed subset of
+``eval.tasks`` held-out tasks, one episode each, with the trainer's current weights on a
+reference (unquantized fp32) embedded sampler, greedy (``top_k=1``) or at temperature 1;
+``eval/success`` is the fraction whose hidden tests all pass, ``eval/reward`` the mean reward.
+
+Only ``trainer.kind: jax`` runs here.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import pathlib
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from hetrl.config import ConfigError, RunConfig
+from hetrl.core.buffer import RolloutBuffer, RolloutGroup
+from hetrl.core.schema import RolloutBatch, SamplingParams, collate
+from hetrl.envs.base import ChatFormat, Task
+from hetrl.envs.coding import CodingEnv, CodingEnvConfig
+from hetrl.envs.sandbox import Sandbox
+from hetrl.envs.tasks_synthetic import synthetic_suite
+from hetrl.models.config import ModelConfig
+from hetrl.orchestrator.episodes import EpisodeRunner
+from hetrl.orchestrator.evaluation import evaluate_tasks
+from hetrl.orchestrator.report import LiveDisplay, MetricsWriter, write_plots
+from hetrl.samplers.base import Generation, GenerationRequest, Sampler
+from hetrl.samplers.fleet import Fleet, JobResult, PoolConfig, Replica
+from hetrl.samplers.profiles import SamplerNumerics, sampler_numerics
+
+if TYPE_CHECKING:
+    from hetrl.trainer_jax.config import JaxTrainerConfig
+
+__all__ = ["SuiteOptions", "EvalOptions", "SyntheticEnvOptions", "TrainerHandle", "AsyncOrchestrator", "RunResult",
+           "SamplerWrapper", "Retracted", "build_embedded_sampler", "build_jax_trainer", "SAMPLER_BATCH"]
+
+SamplerWrapper = Callable[[PoolConfig, int, Sampler], Sampler]
+"""Wraps replica ``index`` of a pool (tests: slow or failing pools); must keep ``info``."""
+
+SAMPLER_BATCH = 16
+"""Rows of every embedded generate call (fewer are padded): one compiled batch shape."""
+
+
+class SuiteOptions(BaseModel):
+    """Arguments of :func:`synthetic_suite` (``seed`` None: the run's seed)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    seed: int | None = None
+    tiers: tuple[int, ...] = (1, 2, 3)
+    heldout_fraction: float = 0.2
+    max_per_tier: int | None = 400
+
+
+class EvalOptions(BaseModel):
+    """Held-out evaluation: every ``every`` steps (0: never; the last step is always evaluated
+    when enabled) on the first ``tasks`` held-out tasks, ``greedy`` or at temperature 1."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    every: int = Field(10, ge=0)
+    tasks: int = Field(16, ge=1)
+    greedy: bool = True
+
+
+class SyntheticEnvOptions(BaseModel):
+    """``environment.options`` of ``name: synthetic``: ``suite``, ``eval`` and ``coding`` (the
+    :class:`CodingEnvConfig`, e.g. ``max_turns``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    suite: SuiteOptions = SuiteOptions()
+    eval: EvalOptions = EvalOptions()
+    coding: CodingEnvConfig = CodingEnvConfig()
+
+
+class TrainerHandle(Protocol):
+    """What the loop needs from the trainer (:class:`hetrl.trainer_jax.trainer.JaxTrainer`, or a
+    proxy to one in another process)."""
+
+    @property
+    def version(self) -> int: ...
+
+    def train_step(self, batch: RolloutBatch, old_logprobs: np.ndarray | None = None) -> dict[str, float]: ...
+
+    def logprobs(self, batch: RolloutBatch) -> np.ndarray: ...
+
+    def export_hf_weights(self) -> dict[str, np.ndarray]: ...
+
+    def save(self, *, force: bool = True) -> bool: ...
+
+    def restore(self) -> int: ...
+
+    def checkpoint_steps(self) -> list[int]: ...
+
+    def close(self) -> None: ...
+
+
+def build_embedded_sampler(model_dir: str | pathlib.Path, numerics: SamplerNumerics, *, pool: str, seed: int) -> Sampler:
+    """The embedded sampler of one replica (or of the evaluation) over the checkpoint in
+    ``model_dir``: ``SAMPLER_BATCH`` rows per compiled generate call."""
+    from hetrl.samplers.embedded import EmbeddedSampler
+
+    return EmbeddedSampler.from_checkpoint(model_dir, numerics, pool=pool, seed=seed, max_batch=SAMPLER_BATCH,
+                                           batch_buckets=(SAMPLER_BATCH,))
+
+
+def build_jax_trainer(model_dir: str | pathlib.Path, config: "JaxTrainerConfig") -> TrainerHandle:
+    """The JAX trainer initialized from the checkpoint in ``model_dir``."""
+    from hetrl.trainer_jax.trainer import JaxTrainer
+
+    return JaxTrainer.from_hf(model_dir, config)
+
+
+class Retracted(Exception):
+    """A group's generation overlapped a newer weight publication (``weight_update: abort``)."""
+
+
+@dataclass
+class _GroupSpec:
+    group_id: str
+    task: Task
+    prompt: np.ndarray
+    submitted_at: float
+
+
+@dataclass
+class RunResult:
+    """What a run did. ``trained`` lists ``(group_id, pool, min_version, trainer_version)`` per
+    trained group in order; ``received`` every group id put into the buffer; ``submitted``
+    every group id sent to the fleet; ``retracted`` every group id retracted under
+    ``weight_update: abort``; ``rollout_versions[replica key]`` the first-token weight version
+    of each valid rollout that replica produced, in arrival order; ``rollout_spans[replica
+    key]`` the ``(min, max)`` token version of each; ``rewards`` the environment reward of each."""
+
+    history: list[dict[str, Any]]
+    final: dict[str, Any]
+    trained: list[tuple[str, str, int, int]]
+    received: list[str]
+    submitted: list[str]
+    retracted: list[str]
+    rollout_versions: dict[str, list[int]]
+    rollout_spans: dict[str, list[tuple[int, int]]]
+    rewards: list[float]
+    output_dir: pathlib.Path
+    metrics_path: pathlib.Path
+    tensorboard_dir: pathlib.Path
+    plots: list[pathlib.Path]
+    checkpoint_dir: pathlib.Path
+    checkpoint_steps: list[int] = field(default_factory=list)
+
+
+class AsyncOrchestrator(abc.ABC):
+    """Runs ``config`` (see the module docstring); subclasses place the samplers and the trainer.
+
+    ``wrap_sampler`` wraps each replica's sampler (on the driver side); ``console`` turns the rich
+    live display on or off (default: ``logging.console``)."""
+
+    backend: str
+    """The backend's name (``config.backend``)."""
+
+    def __init__(self, config: RunConfig, *, wrap_sampler: SamplerWrapper | None = None, console: bool | None = None):
+        if config.trainer.kind != "jax":
+            raise ConfigError(f"trainer.kind {config.trainer.kind!r}: the {self.backend} loop runs the JAX trainer only for now")
+        if config.environment.name != "synthetic":
+            raise ConfigError(f"environment.name {config.environment.name!r}: the {self.backend} loop runs 'synthetic' only for now")
+        try:
+            self.options = SyntheticEnvOptions.model_validate(config.environment.options)
+        except Exception as err:
+            raise ConfigError(f"environment.options: {err}") from None
+        self.config = config
+        self.wrap_sampler = wrap_sampler
+        self.console = config.logging.console if console is None else console
+        self.output_dir = pathlib.Path(config.output_dir)
+        self.metrics_path = pathlib.Path(config.logging.jsonl_path or self.output_dir / "metrics.jsonl")
+        self.tensorboard_dir = pathlib.Path(config.logging.tensorboard_dir or self.output_dir / "tensorboard")
+        self.checkpoint_dir = pathlib.Path(config.checkpointing.directory or self.output_dir / "checkpoints")
+
+    # ================================================================== backend hooks
+    def _start_backend(self) -> None:
+        """Start what the samplers and the trainer run on (before :meth:`_setup`)."""
+
+    def _stop_backend(self) -> None:
+        """Release it (always called once :meth:`_start_backend` returned)."""
+
+    @abc.abstractmethod
+    def _create_sampler(self, numerics: SamplerNumerics, *, pool: str, seed: int) -> Sampler:
+        """``build_embedded_sampler(self.model_dir, numerics, pool=pool, seed=seed)``, wherever it runs."""
+
+    @abc.abstractmethod
+    def _create_trainer(self, config: "JaxTrainerConfig") -> TrainerHandle:
+        """``build_jax_trainer(self.model_dir, config)``, wherever it runs."""
+
+    # ================================================================== setup
+    def _setup(self) -> None:
+        from tokenizers import Tokenizer
+
+        from hetrl.trainer_jax.config import CheckpointConfig
+
+        cfg = self.config
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.model_dir = cfg.model.materialize(self.output_dir / "model")
+        self.model_config = ModelConfig.load(self.model_dir)
+        tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
+        self.chat = ChatFormat.from_tokenizer(tokenizer)
+        stops = tuple(dict.fromkeys(i for i in (self.chat.im_end_id, self.model_config.eos_token_id) if i is not None))
+        sandbox = Sandbox(self.options.coding.limits, require=self.options.coding.require_isolation)
+        coding = self.options.coding
+        self.runner = EpisodeRunner(
+            self.chat, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+            lambda: CodingEnv(coding, sandbox), max_new_tokens=cfg.async_.max_new_tokens,
+            max_length=self.model_config.max_position_embeddings, vocab_size=self.model_config.vocab_size,
+            stop_token_ids=stops,
+        )
+        s = self.options.suite
+        suite = synthetic_suite(cfg.seed if s.seed is None else s.seed, tuple(s.tiers), s.heldout_fraction, s.max_per_tier)
+        self.train_tasks = suite.train
+        self.eval_tasks = suite.heldout[: self.options.eval.tasks]
+
+        tcfg = cfg.jax_trainer_config()
+        tcfg = tcfg.model_copy(update={"checkpoint": CheckpointConfig(
+            directory=str(self.checkpoint_dir.resolve()), every=tcfg.checkpoint.every, keep=tcfg.checkpoint.keep,
+            async_save=tcfg.checkpoint.async_save)})
+        self.needs_old_logprobs = tcfg.correction.ppo_clip is not None
+        self.trainer = self._create_trainer(tcfg)
+        self.fleet = Fleet.from_config(cfg.fleet, self._make_sampler)
+        self.pool_names = tuple(self.fleet.pools)
+        self._eval_sampler = (self._create_sampler(sampler_numerics("fp32"), pool="eval", seed=cfg.seed)
+                              if self.options.eval.every else None)
+        self.buffer = RolloutBuffer(cfg.async_.max_staleness, cfg.async_.stale_policy)
+        if cfg.checkpointing.resume and self.checkpoint_dir.exists() and self.trainer.checkpoint_steps():
+            step = self.trainer.restore()
+            snap = self.checkpoint_dir / f"buffer-{step}.json"
+            if snap.exists():
+                self.buffer = RolloutBuffer.restore(json.loads(snap.read_text()))
+        self._published = self.trainer.version
+        if self.trainer.version > 0:
+            self.fleet.publish_weights(self.trainer.version, self.trainer.export_hf_weights())
+
+    def _make_sampler(self, pool: PoolConfig, numerics: SamplerNumerics, index: int) -> Sampler:
+        seed = (self.config.seed * 1_000_003 + zlib.crc32(pool.name.encode()) * 101 + index) % (2**31)
+        sampler = self._create_sampler(numerics, pool=pool.name, seed=seed)
+        return self.wrap_sampler(pool, index, sampler) if self.wrap_sampler else sampler
+
+    # ================================================================== the fleet side
+    def _top_up(self) -> None:
+        """Submit groups until ``(max_staleness + 1) * batch_groups`` are outstanding; stale
+        evictions queued for regeneration go first."""
+        a = self.config.async_
+        target = (a.max_staleness + 1) * a.batch_groups
+        with self._lock:
+            dropped = self._buffer_dropped()
+            self._outstanding -= dropped - self._dropped_seen  # evicted groups are no longer outstanding
+            self._dropped_seen = dropped
+            regen = [s.prompt_id for s in self.buffer.pop_regenerations()]
+            while not self._stop.is_set() and (regen or self._outstanding < target):
+                self._submit_locked(self._tasks_by_id[regen.pop(0)] if regen else self._next_task())
+
+    def _submit_locked(self, task: Task) -> None:
+        """Submit ``task`` as a new group (one fleet job of ``group_size`` requests); holds the lock."""
+        a = self.config.async_
+        gid = f"g{self._next_gid:06d}"
+        self._next_gid += 1
+        spec = _GroupSpec(gid, task, self._prompt(task), time.monotonic())
+        self._groups[gid] = spec
+        self._outstanding += 1
+        self.result_submitted.append(gid)
+        self.fleet.submit(gid, self.runner.requests(gid, spec.prompt, a.group_size, a.sampling))
+
+    def _next_task(self) -> Task:
+        if not self._order:
+            self._order = list(self._rng.permutation(len(self.train_tasks)))
+        return self.train_tasks[int(self._order.pop(0))]
+
+    def _prompt(self, task: Task) -> np.ndarray:
+        if task.task_id not in self._prompts:
+            self._prompts[task.task_id] = self.runner.prompt_ids(task)
+        return self._prompts[task.task_id]
+
+    def _worker(self, replica: Replica) -> None:
+        """Serve ``replica`` until stopped or dead; play each finished job's group and buffer it."""
+        while not self._stop.is_set() and replica.alive:
+            for result in self.fleet.serve_once(replica, timeout=0.2):
+                if self._stop.is_set():
+                    return
+                self._finish_group(replica, result)
+            self._top_up()
+
+    def _retract_if_stale(self, version: int) -> None:
+        """Under ``weight_update: abort``, raise :class:`Retracted` if weights newer than
+        ``version`` were published."""
+        if self.config.async_.weight_update == "abort" and version < self._published:
+            raise Retracted
+
+    def _continue_fn(self, replica: Replica) -> Callable[[Sequence[GenerationRequest]], list[Generation]]:
+        """Later turns of a group on ``replica``; under ``abort`` retracted before a turn would
+        start on old weights and after a turn that newer weights overtook."""
+        def generate(requests: Sequence[GenerationRequest]) -> list[Generation]:
+            self._retract_if_stale(replica.weight_version or 0)
+            out = replica.sampler.generate(requests)
+            self._retract_if_stale(_oldest_version(out))
+            return out
+        return generate
+
+    def _finish_group(self, replica: Replica, result: JobResult) -> None:
+        spec = self._groups[result.job_id]
+        sampling = self.config.async_.sampling
+        try:
+            self._retract_if_stale(_oldest_version(result.generations))
+            outcome = self.runner.run_group(spec.group_id, spec.task, spec.prompt, result.generations, sampling,
+                                            self._continue_fn(replica))
+        except Retracted:  # weights changed under it: regenerate the prompt on the new ones
+            with self._lock:
+                self._retracted.append(spec.group_id)
+                self._outstanding -= 1
+            self._resubmit(spec.task)
+            return
+        except Exception:  # a later turn failed on this replica: redo the prompt as a new group
+            with self._lock:
+                self._counts["continuation_failures"] += 1
+                self._outstanding -= 1
+            self._resubmit(spec.task)
+            return
+        with self._lock:
+            self._counts["rollouts_rejected"] += len(outcome.errors)
+            self._counts["rollouts_valid"] += len(outcome.rollouts)
+            self._errors.extend(outcome.errors[-5:])
+            if not outcome.rollouts:
+                self._counts["groups_rejected"] += 1
+                self._outstanding -= 1
+                return
+            for r in outcome.rollouts:
+                self._rollout_versions.setdefault(replica.key, []).append(int(r.policy_version[0]))
+                self._rollout_spans.setdefault(replica.key, []).append(
+                    (int(r.policy_version.min()), int(r.policy_version.max())))
+                self._rewards.append(float(r.reward))
+            self._turns.extend(outcome.turns)
+        group = RolloutGroup(spec.group_id, spec.task.task_id, tuple(outcome.rollouts))
+        try:
+            accepted = self.buffer.put(group)
+        except RuntimeError:  # buffer closed: the run is over
+            return
+        with self._lock:
+            if accepted:
+                self.result_received.append(spec.group_id)
+            else:
+                self._outstanding -= 1
+
+    def _resubmit(self, task: Task) -> None:
+        with self._lock:
+            if not self._stop.is_set():
+                self._submit_locked(task)
+
+    # ================================================================== evaluation
+    def _evaluate(self, weights: Mapping[str, np.ndarray]) -> dict[str, float]:
+        """Held-out success and mean reward of the trainer's current ``weights`` (see the module
+        docstring), by :func:`hetrl.orchestrator.evaluation.evaluate_tasks`."""
+        assert self._eval_sampler is not None
+        self._eval_sampler.update_weights(self.trainer.version, weights)
+        sampling = SamplingParams(temperature=1.0, top_k=1) if self.options.eval.greedy else SamplingParams(temperature=1.0)
+        scores = evaluate_tasks(self.runner, self._eval_sampler, self.eval_tasks, sampling,
+                                prefix=f"eval{self.trainer.version}", batch=SAMPLER_BATCH)
+        return {f"eval/{k}": v for k, v in scores.items()}
+
+    # ================================================================== the trainer loop
+    def run(self) -> RunResult:
+        """Train for ``config.steps`` steps (from the resumed step, if any); returns the record."""
+        t_start = time.monotonic()
+        self._start_backend()
+        try:
+            self._setup()
+            return self._train(t_start)
+        finally:
+            self._stop_backend()
+
+    def _train(self, t_start: float) -> RunResult:
+        cfg = self.config
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._groups: dict[str, _GroupSpec] = {}
+        self._tasks_by_id = {t.task_id: t for t in self.train_tasks}
+        self._prompts: dict[str, np.ndarray] = {}
+        self._rng = np.random.default_rng(cfg.seed)
+        self._order: list[int] = []
+        self._next_gid = 0
+        self._outstanding = len(self.buffer)
+        self._dropped_seen = self._buffer_dropped()
+        self._counts = {k: 0 for k in ("rollouts_valid", "rollouts_rejected", "groups_rejected", "continuation_failures")}
+        self._errors: list[str] = []
+        self._retracted: list[str] = []
+        self._rollout_versions: dict[str, list[int]] = {}
+        self._rollout_spans: dict[str, list[tuple[int, int]]] = {}
+        self._rewards: list[float] = []
+        self._turns: list[int] = []
+        self.result_submitted: list[str] = []
+        self.result_received: list[str] = []
+        trained: list[tuple[str, str, int, int]] = []
+        history: list[dict[str, Any]] = []
+        writer = MetricsWriter(self.metrics_path, self.tensorboard_dir)
+        threads = [threading.Thread(target=self._worker, args=(r,), name=f"worker-{r.key}", daemon=True)
+                   for r in self.fleet.replicas]
+        self._top_up()
+        for t in threads:
+            t.start()
+        a = cfg.async_
+        eval_every = self.options.eval.every
+        max_stale_seen = -1
+        last_time, last_gen_tokens = time.monotonic(), 0.0
+        try:
+            with LiveDisplay(cfg.steps, self.console) as display:
+                while self.trainer.version < cfg.steps:
+                    wait_start = time.monotonic()
+                    groups: list[RolloutGroup] = []
+                    while not groups:
+                        groups = self.buffer.take(a.batch_groups, self.trainer.version, timeout=0.5)
+                        self._top_up()
+                        if not groups and not any(r.alive for r in self.fleet.replicas):
+                            raise RuntimeError("every sampler replica is dead; the run cannot continue")
+                    wait_s = time.monotonic() - wait_start
+                    version = self.trainer.version
+                    rollouts = [r for g in groups for r in g.rollouts]
+                    batch = collate(rollouts, pad_id=self.model_config.pad_token_id or 0,
+                                    length_multiple=_length_bucket(rollouts), pool_names=self.pool_names)
+                    step_start = time.monotonic()
+                    old = self.trainer.logprobs(batch) if self.needs_old_logprobs else None
+                    metrics = self.trainer.train_step(batch, old)
+                    step_s = time.monotonic() - step_start
+                    weights = self.trainer.export_hf_weights()
+                    self.fleet.publish_weights(self.trainer.version, weights)
+                    with self._lock:
+                        self._published = self.trainer.version
+                        self._outstanding -= len(groups)
+                    self._top_up()  # the trained batch no longer counts: sample the next at once
+                    self.fleet.record_mismatch(metrics)
+                    for g in groups:
+                        self.fleet.record_trained(g.pool, int(sum(r.loss_mask.sum() for r in g.rollouts)))
+                        trained.append((g.group_id, g.pool, g.min_version, version))
+                    stale = [version - g.min_version for g in groups]
+                    max_stale_seen = max(max_stale_seen, *stale)
+                    now = time.monotonic()
+                    fm = self.fleet.metrics()
+                    gen_tokens = fm["fleet/tokens"]
+                    record: dict[str, Any] = {
+                        "step": self.trainer.version, "time/wall_s": now - t_start, "time/step_s": step_s,
+                        "time/wait_s": wait_s, **metrics,
+                        "reward/mean": float(np.mean([r.reward for r in rollouts])),
+                        "reward/std": float(np.std([r.reward for r in rollouts])),
+                        "rollout/response_tokens": float(np.mean([r.response_ids.shape[0] for r in rollouts])),
+                        "rollout/turns": float(np.mean([r.timings.get("turns", 1.0) for r in rollouts])),
+                        "staleness/mean": float(np.mean(stale)), "staleness/max": float(max(stale)),
+                        "throughput/gen_tokens_per_s": (gen_tokens - last_gen_tokens) / max(now - last_time, 1e-9),
+                        "throughput/trained_tokens_per_s": float(batch.loss_mask.sum()) / max(now - last_time, 1e-9),
+                        **{f"batch/pool/{p}/groups": float(sum(g.pool == p for g in groups)) for p in self.pool_names},
+                        **{k: v for k, v in fm.items()}, **self.buffer.metrics(),
+                        **{f"rollout/{k}": float(v) for k, v in self._counts.items()},
+                        "rollout/retracted": float(len(self._retracted)),
+                    }
+                    last_time, last_gen_tokens = now, gen_tokens
+                    record["rollout/solved"] = float(np.mean([r.timings.get("solved", 0.0) for r in rollouts]))
+                    if eval_every and (self.trainer.version % eval_every == 0 or self.trainer.version == cfg.steps):
+                        record.update(self._evaluate(weights))
+                    if self.trainer.save(force=False):
+                        self._snapshot_buffer()
+                    history.append(record)
+                    if self.trainer.version % cfg.logging.every == 0 or self.trainer.version == cfg.steps:
+                        writer.write(record)
+                    display.update(record, self._pool_rows(fm))
+        finally:
+            self._stop.set()
+            self.fleet.close()
+            self.buffer.close()
+            for t in threads:
+                t.join(timeout=30)
+            writer.close()
+        if not self.trainer.checkpoint_steps() or self.trainer.checkpoint_steps()[-1] != self.trainer.version:
+            self.trainer.save(force=True)
+            self._snapshot_buffer()
+        steps = self.trainer.checkpoint_steps()
+        self.trainer.close()
+        self._prune_snapshots(steps)
+        plots = write_plots(history, self.pool_names, self.output_dir / "plots")
+        fm = self.fleet.metrics()
+        bm = self.buffer.metrics()
+        final = {
+            "backend": self.backend,
+            "wall_s": time.monotonic() - t_start, "version": self.trainer.version, "max_staleness": max_stale_seen,
+            "groups_trained": len(trained), "groups_dropped": int(bm["buffer/dropped"]),
+            "groups_retracted": len(self._retracted),
+            "rollouts_rejected": self._counts["rollouts_rejected"], "requeues": int(fm["fleet/requeues"]),
+            "output_dir": str(self.output_dir), "errors_sample": self._errors[-5:],
+            "continuation_failures": self._counts["continuation_failures"],
+        }
+        (self.output_dir / "summary.json").write_text(json.dumps(final, indent=2))
+        return RunResult(history, final, trained, list(self.result_received), list(self.result_submitted),
+                         list(self._retracted), {k: list(v) for k, v in self._rollout_versions.items()},
+                         {k: list(v) for k, v in self._rollout_spans.items()}, list(self._rewards),
+                         self.output_dir, self.metrics_path, self.tensorboard_dir, plots, self.checkpoint_dir, steps)
+
+    # ================================================================== helpers
+    def _buffer_dropped(self) -> int:
+        return sum(c.dropped for c in self.buffer.counters().values())
+
+    def _snapshot_buffer(self) -> None:
+        path = self.checkpoint_dir / f"buffer-{self.trainer.version}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.buffer.snapshot()))
+
+    def _prune_snapshots(self, keep_steps: list[int]) -> None:
+        for path in self.checkpoint_dir.glob("buffer-*.json"):
+            if int(path.stem.split("-")[1]) not in keep_steps:
+                path.unlink()
+
+    def _pool_rows(self, fm: dict[str, float]) -> list[dict[str, Any]]:
+        counters = self.buffer.counters()
+        rows = []
+        for name, pool in self.fleet.pools.items():
+            n = self.fleet.numerics[name]
+            reps = [r for r in self.fleet.replicas if r.pool.name == name]
+            c = counters.get(name)
+            rows.append({
+                "pool": name, "numerics": f"{pool.accelerator} {n.weight_format}/{n.kv_format}",
+                "alive": f"{sum(r.alive for r in reps)}/{len(reps)}",
+                "weight_version": ",".join("-" if r.weight_version is None else str(r.weight_version) for r in reps),
+                "requests": int(fm[f"pool/{name}/requests"]), "tokens": int(fm[f"pool/{name}/tokens"]),
+                "trained": c.groups_out if c else 0, "dropped": c.dropped if c else 0,
+                "max_staleness": c.max_staleness_out if c else -1,
+                "k3": fm.get(f"pool/{name}/mismatch_avg/k3"), "cost_usd": fm[f"pool/{name}/cost/usd"],
+            })
+        return rows
+
+
+def _oldest_version(generations: Sequence[Generation]) -> int:
+    """The smallest weight version of any token of ``generations``."""
+    return min(int(g.policy_version.min()) for g in generations)
+
+
+def _length_bucket(rollouts) -> int:
+    """The power of two (>= 64) that holds the longest prompt + response: with
+    ``length_multiple`` set to it, collate pads to it, so the train step compiles per bucket."""
+    longest = max(r.prompt_ids.shape[0] + r.response_ids.shape[0] for r in rollouts)
+    return max(64, 1 << (longest - 1).bit_length())

@@ -1,0 +1,200 @@
+"""The RAY backend of the asynchronous loop (DESIGN §5): every pool replica's sampler and the
+trainer live in Ray actors, the route to many machines.
+
+The loop is :class:`hetrl.orchestrator.loop.AsyncOrchestrator`, unchanged: the driver keeps the
+fleet (routing, re-queueing, cost), the buffer, the episodes (environments and sandbox) and the
+logs, and reaches the actors through two proxies with the interfaces the loop already uses:
+
+* :class:`RaySampler` (the :class:`hetrl.samplers.base.Sampler` protocol) over an actor hosting
+  :func:`build_embedded_sampler` (one per replica, and one for the held-out evaluation);
+* :class:`RayTrainer` (:class:`TrainerHandle`) over an actor hosting :func:`build_jax_trainer`.
+
+So the semantics are those of the local backend by construction: one generate call at a time
+per replica, weights loaded between calls (versions monotone per replica), the staleness bound of
+the buffer. A replica actor that dies (``ray.kill``, a crashed process, a lost node) makes its
+calls raise ``RayActorError``; the fleet marks the replica dead and re-queues its jobs, which
+finish elsewhere, exactly once.
+
+Calls travel through Ray's object store with Ray's own serialization, between our own
+processes only. Published weights (HF-named numpy arrays) are put into the object store once
+per version (:class:`SharedWeights`) and every actor loads that one copy. Actors reserve no CPU
+(``num_cpus=0``) so any number of them share a small machine; the trainer's checkpoints are
+written by its actor to ``checkpointing.directory``, which must be on a disk the driver sees.
+
+Ray: ``ray.address`` connects to a running cluster; otherwise a private local instance is
+started (``ray.num_cpus``, files under ``ray.temp_dir`` or a fresh short directory in /tmp,
+removed at the end; no dashboard) and shut down when the run ends. If Ray is already initialized
+in this process (e.g. by a test), that instance is used and left running.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import tempfile
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+import numpy as np
+import ray
+
+from hetrl.core.schema import RolloutBatch, SamplerInfo
+from hetrl.orchestrator.loop import AsyncOrchestrator, TrainerHandle, build_embedded_sampler, build_jax_trainer
+from hetrl.samplers.base import Generation, GenerationRequest, Sampler, SamplerHealth
+from hetrl.samplers.profiles import SamplerNumerics
+
+if TYPE_CHECKING:
+    from hetrl.trainer_jax.config import JaxTrainerConfig
+
+__all__ = ["RayOrchestrator", "RaySampler", "RayTrainer", "SharedWeights", "HostActor"]
+
+
+@ray.remote(num_cpus=0)
+class HostActor:
+    """Hosts the object ``build(*args, **kwargs)`` in this actor's process: :meth:`call` runs one
+    of its methods, :meth:`attribute` reads one attribute. Calls run one at a time, in order."""
+
+    def __init__(self, build: Callable[..., Any], *args: Any, **kwargs: Any):
+        self._obj = build(*args, **kwargs)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self._obj, method)(*args, **kwargs)
+
+    def attribute(self, name: str) -> Any:
+        return getattr(self._obj, name)
+
+
+class SharedWeights:
+    """The object-store copy of the latest published weights: :meth:`ref` puts a weight set the
+    first time any actor needs it and hands the same reference to every other one."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._latest: tuple[int, Mapping[str, np.ndarray], ray.ObjectRef] | None = None
+
+    def ref(self, version: int, weights: Mapping[str, np.ndarray]) -> ray.ObjectRef:
+        with self._lock:
+            if self._latest is None or self._latest[0] != version or self._latest[1] is not weights:
+                self._latest = (version, weights, ray.put(dict(weights)))
+            return self._latest[2]
+
+
+class RaySampler:
+    """The :class:`Sampler` protocol over a :class:`HostActor` hosting a sampler; ``info`` is
+    fetched once (the first access waits for the actor to be built)."""
+
+    def __init__(self, actor: "ray.actor.ActorHandle", weights: SharedWeights):
+        self.actor = actor
+        self._weights = weights
+        self._info: SamplerInfo | None = None
+
+    @property
+    def info(self) -> SamplerInfo:
+        if self._info is None:
+            self._info = ray.get(self.actor.attribute.remote("info"))
+        return self._info
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
+        return ray.get(self.actor.call.remote("generate", list(requests)))
+
+    def update_weights(self, version: int, weights: Mapping[str, np.ndarray]) -> None:
+        ray.get(self.actor.call.remote("update_weights", version, self._weights.ref(version, weights)))
+
+    def health(self) -> SamplerHealth:
+        return ray.get(self.actor.call.remote("health"))
+
+
+class RayTrainer:
+    """:class:`TrainerHandle` over a :class:`HostActor` hosting the trainer. ``version`` is read
+    from the actor once and again after every call that changes it."""
+
+    def __init__(self, actor: "ray.actor.ActorHandle"):
+        self.actor = actor
+        self._version: int | None = None
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return ray.get(self.actor.call.remote(method, *args, **kwargs))
+
+    @property
+    def version(self) -> int:
+        if self._version is None:
+            self._version = int(ray.get(self.actor.attribute.remote("version")))
+        return self._version
+
+    def train_step(self, batch: RolloutBatch, old_logprobs: np.ndarray | None = None) -> dict[str, float]:
+        self._version = None
+        return self._call("train_step", batch, old_logprobs)
+
+    def logprobs(self, batch: RolloutBatch) -> np.ndarray:
+        return self._call("logprobs", batch)
+
+    def export_hf_weights(self) -> dict[str, np.ndarray]:
+        return self._call("export_hf_weights")
+
+    def save(self, *, force: bool = True) -> bool:
+        return self._call("save", force=force)
+
+    def restore(self) -> int:
+        self._version = None
+        return self._call("restore")
+
+    def checkpoint_steps(self) -> list[int]:
+        return self._call("checkpoint_steps")
+
+    def close(self) -> None:
+        self._call("close")
+
+
+class RayOrchestrator(AsyncOrchestrator):
+    """Runs a config with every sampler and the trainer in Ray actors (see the module docstring)."""
+
+    backend = "ray"
+
+    def _start_backend(self) -> None:
+        self._actors: list[ray.actor.ActorHandle] = []
+        self._weights = SharedWeights()
+        self._owns_ray = not ray.is_initialized()
+        self._temp_dir: str | None = None
+        if not self._owns_ray:
+            return
+        settings = self.config.ray
+        if settings.address is not None:
+            ray.init(address=settings.address)
+            return
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private instance on this machine only
+        temp_dir = settings.temp_dir
+        if temp_dir is None:  # Ray's socket paths must stay short: a fresh directory right in /tmp
+            temp_dir = self._temp_dir = tempfile.mkdtemp(prefix="hetrl-ray-", dir="/tmp")
+        ray.init(num_cpus=settings.num_cpus, _temp_dir=str(pathlib.Path(temp_dir).resolve()),
+                 include_dashboard=False)
+
+    def _stop_backend(self) -> None:
+        for actor in self._actors:
+            ray.kill(actor)
+        self._actors.clear()
+        if self._owns_ray:
+            ray.shutdown()
+        if self._temp_dir is not None:
+            shutil.rmtree(self._temp_dir, ignore_errors=True)
+
+    def _host(self, build: Callable[..., Any], *args: Any, **kwargs: Any) -> "ray.actor.ActorHandle":
+        actor = HostActor.remote(build, *args, **kwargs)
+        self._actors.append(actor)
+        return actor
+
+    def _create_sampler(self, numerics: SamplerNumerics, *, pool: str, seed: int) -> Sampler:
+        return RaySampler(self._host(build_embedded_sampler, self.model_dir, numerics, pool=pool, seed=seed),
+                          self._weights)
+
+    def _create_trainer(self, config: "JaxTrainerConfig") -> TrainerHandle:
+        return RayTrainer(self._host(build_jax_trainer, self.model_dir, config))
+
+    def replica_actor(self, replica_key: str) -> "ray.actor.ActorHandle":
+        """The actor of replica ``<pool>/<index>`` (once the run has set up its fleet)."""
+        for replica in self.fleet.replicas:
+            if replica.key == replica_key:
+                if not isinstance(replica.sampler, RaySampler):
+                    raise ValueError(f"replica {replica_key!r} is wrapped ({type(replica.sampler).__name__})")
+                return replica.sampler.actor
+        raise KeyError(f"no replica {replica_key!r}; replicas: {[r.key for r in self.fleet.replicas]}")

@@ -1,0 +1,98 @@
+"""Shared by the orchestrator tests of every backend: sampler wrappers (a slow pool, a replica
+that dies) and the invariants a finished run must satisfy."""
+
+import json
+import threading
+import time
+
+import numpy as np
+
+from hetrl.orchestrator.tb_events import read_scalars
+
+
+class Slow:
+    """A sampler that sleeps ``delay`` seconds before every generate call."""
+
+    def __init__(self, inner, delay):
+        self.inner, self.delay = inner, delay
+
+    @property
+    def info(self):
+        return self.inner.info
+
+    def generate(self, requests):
+        time.sleep(self.delay)
+        return self.inner.generate(requests)
+
+    def update_weights(self, version, weights):
+        self.inner.update_weights(version, weights)
+
+    def health(self):
+        return self.inner.health()
+
+
+class Dies(Slow):
+    """A sampler whose first generate call raises (a killed replica); records what it held."""
+
+    def __init__(self, inner):
+        super().__init__(inner, 0.0)
+        self.failed: list[str] = []
+        self.lock = threading.Lock()
+
+    def generate(self, requests):
+        with self.lock:
+            self.failed += [r.request_id for r in requests]
+        raise ConnectionError("replica killed")
+
+
+def check_outputs(result, steps: int, eval_steps: list[int]) -> None:
+    """Every step logged to the JSONL and, as the same float32 scalars, to the TensorBoard events;
+    held-out scores at ``eval_steps``; a checkpoint with its buffer snapshot at the end; plots
+    and summary written."""
+    assert result.final["version"] == steps and len(result.history) == steps
+    lines = [json.loads(x) for x in result.metrics_path.read_text().splitlines()]
+    assert [r["step"] for r in lines] == list(range(1, steps + 1))
+    assert all("mismatch/k3" in r and "reward/mean" in r and "staleness/max" in r for r in lines)
+    assert [r["step"] for r in lines if "eval/success" in r] == eval_steps
+    (events,) = result.tensorboard_dir.glob("events.out.tfevents.*")
+    scalars = read_scalars(events)
+    for key in ("reward/mean", "mismatch/k3", "staleness/max", "eval/success"):
+        # the JSONL writes a non-finite value as null, TensorBoard keeps it
+        expected = [(r["step"], float("nan") if r[key] is None else r[key]) for r in lines if key in r]
+        assert [s for s, _ in scalars[key]] == [s for s, _ in expected], key
+        # float32 storage: a relative error of at most 2^-24
+        np.testing.assert_allclose([v for _, v in scalars[key]], [v for _, v in expected], rtol=2**-23)
+    assert result.checkpoint_steps and result.checkpoint_steps[-1] == steps
+    for step in result.checkpoint_steps:
+        snap = json.loads((result.checkpoint_dir / f"buffer-{step}.json").read_text())
+        assert snap["version"] == 1
+    assert {p.name for p in result.plots} == {"reward.png", "heldout.png", "mismatch.png"}
+    assert all(p.stat().st_size > 1000 for p in result.plots)
+    assert json.loads((result.output_dir / "summary.json").read_text())["version"] == steps
+
+
+def check_monotone_versions(result) -> None:
+    """Per replica, first-token weight versions never decrease, and new weights reached the fleet."""
+    assert result.rollout_versions
+    for key, versions in result.rollout_versions.items():
+        assert versions == sorted(versions), key
+    assert max(max(v) for v in result.rollout_versions.values()) >= 1
+
+
+def check_staleness(result, max_staleness: int) -> None:
+    """No trained group is older than ``max_staleness`` versions."""
+    assert result.trained
+    assert all(trainer_v - min_v <= max_staleness for _, _, min_v, trainer_v in result.trained)
+    assert result.final["max_staleness"] <= max_staleness
+
+
+def check_requeued_exactly_once(result, lost_groups: set[str], dead_replica: str) -> None:
+    """The groups a dead replica held were finished elsewhere; nothing was buffered or trained twice."""
+    assert lost_groups, "the killed replica never held work"
+    assert result.final["requeues"] >= 1
+    assert lost_groups <= set(result.received)
+    ids = [g for g, *_ in result.trained]
+    assert len(ids) == len(set(ids))
+    assert len(result.received) == len(set(result.received))
+    assert set(ids) <= set(result.received) <= set(result.submitted)
+    assert dead_replica not in result.rollout_versions

@@ -1,0 +1,116 @@
+"""The Ray backend end to end (hetrl.orchestrator.ray_backend): the same loop with every sampler
+and the trainer in Ray actors, checked against the invariants of the local backend's tests.
+
+One short run (3 steps, tiny sizes, a private local Ray instance) with two pools: ``fast`` has
+two replica actors, and the test kills the second one with ``ray.kill`` while its first generate
+call (which includes the jit compile, so it lasts seconds) is in flight: its jobs must be
+re-queued and finished by the other replica, never lost or trained twice. ``slow`` sleeps before
+every call (on the driver side), so its groups are the stalest; none may be trained beyond
+max_staleness. The run is bounded: it must finish within RUN_TIMEOUT_S.
+"""
+
+import threading
+import time
+
+import pytest
+import ray
+
+from hetrl.config import load_config
+from hetrl.orchestrator import build_orchestrator
+from hetrl.orchestrator.ray_backend import RayOrchestrator
+from orchestrator_checks import Slow, check_monotone_versions, check_outputs, check_requeued_exactly_once, check_staleness
+
+MAX_STALENESS = 1
+RUN_TIMEOUT_S = 300
+KILLED = "fast/1"
+
+
+def _kill_mid_generation(orch: RayOrchestrator, done: threading.Event, killed: dict) -> None:
+    """Wait until replica KILLED has jobs in flight for 0.5 s (its generate call is running in the
+    actor), record them, then kill its actor."""
+    while not done.is_set():
+        fleet = getattr(orch, "fleet", None)
+        replica = next((r for r in fleet.replicas if r.key == KILLED), None) if fleet else None
+        jobs = [j.job_id for j in list(replica.in_flight)] if replica else []
+        if jobs:
+            time.sleep(0.5)
+            if [j.job_id for j in list(replica.in_flight)] == jobs:
+                killed["jobs"] = set(jobs)
+                ray.kill(orch.replica_actor(KILLED))
+                return
+        time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ray-run")
+    cfg = load_config("tiny_mixed.yaml", [
+        f"output_dir={out}", "logging.jsonl_path=null", "checkpointing.directory=null", "checkpointing.every=2",
+        "steps=3", "async.batch_groups=2", "async.group_size=2", "async.max_new_tokens=16",
+        f"async.max_staleness={MAX_STALENESS}", "backend=ray",
+        "fleet.pools=[{name: fast, accelerator: h100, weight_precision: fp8_e4m3, replicas: 2},"
+        " {name: slow, accelerator: a100, weight_precision: bf16}]",
+        "environment.options={eval: {every: 3, tasks: 2}, coding: {max_turns: 2}}",
+    ])
+    orch = build_orchestrator(cfg, wrap_sampler=lambda pool, i, s: Slow(s, 1.5) if pool.name == "slow" else s,
+                              console=False)
+    assert isinstance(orch, RayOrchestrator)
+    done, killed, outcome = threading.Event(), {}, {}
+
+    def target():
+        try:
+            outcome["result"] = orch.run()
+        except BaseException as err:  # re-raised in the test thread
+            outcome["error"] = err
+        finally:
+            done.set()
+
+    runner = threading.Thread(target=target, daemon=True)
+    killer = threading.Thread(target=_kill_mid_generation, args=(orch, done, killed), daemon=True)
+    runner.start()
+    killer.start()
+    runner.join(RUN_TIMEOUT_S)
+    done.set()
+    assert not runner.is_alive(), f"the Ray run did not finish within {RUN_TIMEOUT_S} s"
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"], killed
+
+
+def test_ray_run_completes_and_writes_outputs(run):
+    result, _ = run
+    assert result.final["backend"] == "ray"
+    check_outputs(result, steps=3, eval_steps=[3])
+    assert not ray.is_initialized()  # the private instance was shut down
+
+
+def test_ray_weight_versions_are_monotone_per_replica(run):
+    check_monotone_versions(run[0])
+
+
+def test_ray_no_trained_group_is_older_than_max_staleness(run):
+    check_staleness(run[0], MAX_STALENESS)
+
+
+def test_ray_killed_actor_jobs_are_requeued_exactly_once(run):
+    result, killed = run
+    assert "jobs" in killed, f"replica {KILLED} never had a generate call in flight"
+    check_requeued_exactly_once(result, killed["jobs"], KILLED)
+
+
+def test_backend_flag_sets_the_config_key(capsys):
+    from hetrl.cli import main
+
+    assert main(["train", "tiny_mixed.yaml", "--backend", "ray", "--dry-run"]) == 0
+    assert "\nbackend: ray\n" in capsys.readouterr().out
+    assert main(["train", "tiny_mixed.yaml", "--dry-run"]) == 0
+    assert "\nbackend: local\n" in capsys.readouterr().out
+
+
+def test_a_bad_backend_fails_naming_the_key():
+    from hetrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"backend: Input should be 'local' or 'ray'"):
+        load_config("tiny_mixed.yaml", ["backend=rai"])
+    with pytest.raises(ConfigError, match=r"ray\.num_cpus: Input should be greater than or equal to 1"):
+        load_config("tiny_mixed.yaml", ["ray.num_cpus=0"])
