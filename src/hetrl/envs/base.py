@@ -113,9 +113,10 @@ class ChatFormat:
                 raise ValueError(f"{m.role} message content contains a chat marker")
         return messages
 
-    def render(self, messages: Sequence[Message], add_generation_prompt: bool = False) -> str:
-        """The chat-template text."""
-        text = "".join(f"{IM_START}{m.role}\n{m.content}{IM_END}\n" for m in self._checked(messages))
+    @staticmethod
+    def render(messages: Sequence[Message], add_generation_prompt: bool = False) -> str:
+        """The chat-template text (no tokenizer needed)."""
+        text = "".join(f"{IM_START}{m.role}\n{m.content}{IM_END}\n" for m in ChatFormat._checked(messages))
         return text + (f"{IM_START}assistant\n" if add_generation_prompt else "")
 
     def encode(self, messages: Sequence[Message], add_generation_prompt: bool = False) -> list[int]:

@@ -64,16 +64,6 @@ def training_tasks(c: WarmstartConfig) -> list[FunctionTask]:
     return [make_task(p, base + v) for v in range(c.training.variants) for p in train]
 
 
-def _transcripts(tasks: list[FunctionTask], chat_env: CodingEnv) -> list[tuple[str, str]]:
-    """(rendered prompt with generation header, answer) text pairs."""
-    out = []
-    for task in tasks:
-        messages = chat_env.reset(task).messages
-        prompt = "".join(f"<|im_start|>{m.role}\n{m.content}<|im_end|>\n" for m in messages) + "<|im_start|>assistant\n"
-        out.append((prompt, task.reference))
-    return out
-
-
 def run_warmstart(c: WarmstartConfig, out_dir: str | pathlib.Path, *, console: bool = True) -> dict[str, Any]:
     """Run the pipeline of the module docstring into ``out_dir`` (written atomically: built in a
     sibling temporary directory, then renamed). Returns the ``warmstart.json`` content."""
@@ -90,14 +80,15 @@ def run_warmstart(c: WarmstartConfig, out_dir: str | pathlib.Path, *, console: b
     started = time.perf_counter()
     env = CodingEnv(CodingEnvConfig(max_turns=c.eval.max_turns))
     tasks = training_tasks(c)
-    texts = _transcripts(tasks, env)
+    prompts = [env.reset(t).messages for t in tasks]  # the environment's first observation of each task
+    texts = [(ChatFormat.render(m, add_generation_prompt=True), t.reference) for m, t in zip(prompts, tasks)]
     rng = np.random.default_rng(c.seed)
     sample = rng.choice(len(texts), size=min(_TOKENIZER_SAMPLE, len(texts)), replace=False)
     tokenizer = train_tokenizer(c.model.vocab_size, [texts[i][0] + texts[i][1] for i in sample])
     chat = ChatFormat.from_tokenizer(tokenizer)
     encode = lambda s: tokenizer.encode(s, add_special_tokens=False).ids  # noqa: E731
-    examples = [(chat.encode(env.reset(t).messages, add_generation_prompt=True), encode(t.reference) + [chat.im_end_id])
-                for t in tasks]
+    examples = [(chat.encode(m, add_generation_prompt=True), encode(t.reference) + [chat.im_end_id])
+                for m, t in zip(prompts, tasks)]
     fits = [e for e in examples if len(e[0]) + len(e[1]) - 1 <= c.training.seq_len]
     if len(fits) < len(examples) // 2:
         raise ValueError(f"training.seq_len={c.training.seq_len} fits only {len(fits)} of {len(examples)} transcripts")
