@@ -19,11 +19,13 @@ from hetrl.samplers.fleet import Fleet, FleetConfig, FleetError, PoolConfig
 
 class FakeSampler:
     """Returns ``tokens`` fixed tokens per request after ``delay`` seconds per call. ``kill``:
-    an Event; the call blocks until it is set and then raises (a replica dying mid-call)."""
+    an Event; the call blocks until it is set and then raises (a replica dying mid-call).
+    ``hold``: an Event; the call blocks until it is set and then returns normally."""
 
-    def __init__(self, pool: PoolConfig, delay: float = 0.0, tokens: int = 3, kill: threading.Event | None = None):
+    def __init__(self, pool: PoolConfig, delay: float = 0.0, tokens: int = 3, kill: threading.Event | None = None,
+                 hold: threading.Event | None = None):
         self._info = pool.numerics().sampler_info(pool.name, pool.engine, "fake")
-        self.delay, self.tokens, self.kill = delay, tokens, kill
+        self.delay, self.tokens, self.kill, self.hold = delay, tokens, kill, hold
         self.version = 0
         self.healthy = True
         self.calls = 0
@@ -42,6 +44,8 @@ class FakeSampler:
         if self.kill is not None:
             self.kill.wait(10)
             raise ConnectionError("replica died mid-generation")
+        if self.hold is not None:
+            self.hold.wait(10)
         time.sleep(self.delay)
         version = self.version
         self.call_versions.append(version)
@@ -206,6 +210,49 @@ def test_unhealthy_or_misbehaving_replicas_are_routed_around():
     m = fleet.metrics()
     assert (m["pool/sick/errors"], m["pool/liar/errors"], m["fleet/replicas_alive"]) == (1, 1, 1)
     assert sick.calls == 0 and liar.calls == 1
+
+
+def test_quarantined_pool_gets_no_work_and_its_queued_and_in_flight_jobs_are_rerouted(caplog):
+    hold = threading.Event()
+    fleet, (bad, good) = fleet_of((pool("bad", "h100", "fp8_e4m3"), dict(hold=hold)),
+                                  (pool("ok", "h100", "fp8_e4m3"), {}), max_batch=2)
+    bad_replica, ok_replica = fleet.replicas
+    jobs = {f"g{i}": requests(f"g{i}", 2) for i in range(4)}
+    for job_id, reqs in jobs.items():
+        fleet.submit(job_id, reqs)
+    assert bad_replica.load > 0 and ok_replica.load > 0
+    served: list = []
+    worker = threading.Thread(target=lambda: served.extend(fleet.serve_once(bad_replica, timeout=5)))
+    worker.start()
+    assert bad.started.wait(5)  # the bad pool now holds a job in flight (and possibly queued ones)
+    with caplog.at_level("ERROR", logger="hetrl.samplers.fleet"):
+        fleet.quarantine("bad", "pool 'bad' quarantined: poisoned")
+        fleet.quarantine("bad", "again")  # idempotent
+    assert "pool 'bad' quarantined: poisoned" in caplog.text and "re-routed" in caplog.text
+    hold.set()
+    worker.join()
+    assert served == []  # what it generated after being quarantined is discarded
+    done: dict = {}
+    deadline = time.monotonic() + 10
+    while len(done) < len(jobs) and time.monotonic() < deadline:
+        for res in fleet.serve_once(ok_replica, timeout=0.1):
+            assert res.job_id not in done
+            done[res.job_id] = res
+    assert sorted(done) == sorted(jobs) and {r.pool for r in done.values()} == {"ok"}
+    fleet.submit("later", requests("later"))
+    assert bad_replica.load == 0 and ok_replica.load == 1 and bad.calls == 1
+    assert fleet.serve_once(bad_replica, timeout=0.1) == []
+    m = fleet.metrics()
+    assert m["pool/bad/quarantined"] == 1 and m["pool/ok/quarantined"] == 0 and m["fleet/quarantined"] == 1
+    assert m["pool/bad/requeues"] >= 1 and m["pool/bad/errors"] == 0 and m["pool/bad/replicas_alive"] == 0
+    assert fleet.quarantined == {"bad": "pool 'bad' quarantined: poisoned"}
+
+
+def test_published_version_is_the_latest_publication():
+    fleet, _ = fleet_of((FAST, {}))
+    assert fleet.published_version == 0
+    fleet.publish_weights(3, {})
+    assert fleet.published_version == 3
 
 
 def test_all_replicas_dead_raises():

@@ -1,6 +1,8 @@
 """Model config and HF checkpoint I/O: exact round trips, interoperability, clear errors."""
 
+import hashlib
 import json
+import re
 
 import ml_dtypes
 import numpy as np
@@ -93,6 +95,68 @@ def test_corrupt_files_are_rejected_clearly(tmp_path):
             read_safetensors(path)
     with pytest.raises(CheckpointError, match="neither"):
         load_state_dict(tmp_path)
+
+
+def _tamper(directory, case):
+    """Damage an export in one way; returns what the error must mention."""
+    single = directory / "model.safetensors"
+    if case == "flipped byte":  # same size, other content: only the checksum sees it
+        raw = bytearray(single.read_bytes())
+        raw[-1] ^= 0xFF
+        single.write_bytes(bytes(raw))
+        return "SHA-256"
+    if case == "truncated":
+        single.write_bytes(single.read_bytes()[:-4])
+        return "size"
+    if case == "missing file":
+        single.unlink()
+        return "missing"
+    if case == "other dtype":  # a consistent file whose tensor is not the manifest's
+        state = read_safetensors(single)
+        name = "model.norm.weight"
+        write_safetensors(single, {**state, name: state[name].astype(ml_dtypes.bfloat16)})
+        manifest = json.loads((directory / "hetrl.manifest.json").read_text())
+        manifest["files"]["model.safetensors"] = {"size": single.stat().st_size,
+                                                  "sha256": hashlib.sha256(single.read_bytes()).hexdigest()}
+        (directory / "hetrl.manifest.json").write_text(json.dumps(manifest))
+        return "'model.norm.weight' is BF16"
+    if case == "extra file":  # a stale index from another export is read, but is not in the manifest
+        (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))
+        return "not in the manifest"
+    if case == "corrupt manifest":
+        (directory / "hetrl.manifest.json").write_text("{")
+        return "corrupt manifest"
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize("case", ["flipped byte", "truncated", "missing file", "other dtype", "extra file",
+                                  "corrupt manifest"])
+def test_weights_are_verified_against_their_manifest_before_loading(tmp_path, case):
+    state = random_state_dict(TINY_QWEN3, seed=2)
+    save_state_dict(tmp_path, state)
+    manifest = json.loads((tmp_path / "hetrl.manifest.json").read_text())
+    assert set(manifest["tensors"]) == set(state) and set(manifest["files"]) == {"model.safetensors"}
+    assert load_state_dict(tmp_path, require_manifest=True).keys() == state.keys()
+    message = _tamper(tmp_path, case)
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        load_state_dict(tmp_path)
+
+
+def test_sharded_exports_are_verified_and_a_manifest_can_be_required(tmp_path):
+    state = random_state_dict(TINY_QWEN3, seed=3)
+    save_state_dict(tmp_path / "shards", state, max_shard_bytes=40_000)
+    files = json.loads((tmp_path / "shards" / "hetrl.manifest.json").read_text())["files"]
+    assert "model.safetensors.index.json" in files and len(files) > 3
+    shard = tmp_path / "shards" / sorted(f for f in files if f.startswith("model-"))[1]
+    raw = bytearray(shard.read_bytes())
+    raw[-1] ^= 0x01
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=re.escape(f"{shard.name}: SHA-256")):
+        load_state_dict(tmp_path / "shards")
+    write_safetensors(tmp_path / "model.safetensors", state)  # an export without a manifest
+    assert load_state_dict(tmp_path).keys() == state.keys()
+    with pytest.raises(CheckpointError, match="no hetrl.manifest.json"):
+        load_state_dict(tmp_path, require_manifest=True)
 
 
 def test_config_refuses_unsupported_features():

@@ -1,10 +1,12 @@
 """The local asynchronous loop end to end (hetrl.orchestrator.local).
 
-One short run (3 steps, tiny sizes) is shared by the end-to-end checks: two pools, where the
+One short run (3 steps, tiny sizes) is shared by the end-to-end checks: three pools, where the
 fast pool has a second replica that dies on its first call (its jobs must be re-queued and
-finished elsewhere, never lost or trained twice) and the slow pool sleeps before every call (its
-groups are the stalest; none may be trained beyond max_staleness). A unit check drives the
-episode runner with malformed generations: they are rejected and counted, not raised.
+finished elsewhere, never lost or trained twice), the slow pool sleeps before every call (its
+groups are the stalest; none may be trained beyond max_staleness) and the poison pool returns
+only poisoned generations (rejected, counted per reason, the pool quarantined, never trained on,
+while training goes on with the others). A unit check drives the episode runner with malformed
+generations: they are rejected naming the field, not raised, and never reach the environment.
 """
 
 import numpy as np
@@ -20,10 +22,11 @@ from hetrl.models.tiny import TINY_QWEN3, build_tiny_checkpoint
 from hetrl.orchestrator.episodes import EpisodeRunner
 from hetrl.orchestrator.local import LocalOrchestrator
 from hetrl.samplers.base import Generation
-from orchestrator_checks import (Dies, Slow, check_monotone_versions, check_outputs, check_requeued_exactly_once,
-                                 check_staleness)
+from orchestrator_checks import (Dies, Poisoned, Slow, check_monotone_versions, check_outputs,
+                                 check_requeued_exactly_once, check_staleness)
 
 MAX_STALENESS = 1
+QUARANTINE_MIN = 4
 
 
 @pytest.fixture(scope="module")
@@ -34,29 +37,35 @@ def run(tmp_path_factory):
         "steps=3", "async.batch_groups=2", "async.group_size=2", "async.max_new_tokens=16",
         f"async.max_staleness={MAX_STALENESS}",
         "fleet.pools=[{name: fast, accelerator: h100, weight_precision: fp8_e4m3, replicas: 2},"
-        " {name: slow, accelerator: a100, weight_precision: bf16}]",
+        " {name: slow, accelerator: a100, weight_precision: bf16},"
+        " {name: poison, accelerator: h100, weight_precision: fp8_e4m3}]",
+        f"fleet.quarantine={{max_rejection_rate: 0.5, min_rollouts: {QUARANTINE_MIN}, window: 8}}",
         "environment.options={eval: {every: 2, tasks: 2}, coding: {max_turns: 2}}",
     ])
     killed: list[Dies] = []
+    poisoned: list[Poisoned] = []
 
     def wrap(pool, index, sampler):
         if pool.name == "slow":
             return Slow(sampler, 1.5)
+        if pool.name == "poison":
+            poisoned.append(Poisoned(sampler))
+            return poisoned[-1]
         if index == 1:
             killed.append(Dies(sampler))
             return killed[-1]
         return sampler
 
-    return LocalOrchestrator(cfg, wrap_sampler=wrap, console=False).run(), killed
+    return LocalOrchestrator(cfg, wrap_sampler=wrap, console=False).run(), killed, poisoned
 
 
 def test_run_completes_and_writes_outputs(run):
-    result, _ = run
+    result, *_ = run
     check_outputs(result, steps=3, eval_steps=[2, 3])
 
 
 def test_rewards_come_from_the_environment(run):
-    result, _ = run
+    result, *_ = run
     assert result.rewards and all(np.isfinite(result.rewards))
     # the environment's rewards lie in [0, 1]; a random tiny model scores (almost) nothing
     assert all(0.0 <= r <= 1.0 for r in result.rewards)
@@ -72,16 +81,39 @@ def test_no_trained_group_is_older_than_max_staleness(run):
 
 
 def test_killed_replica_jobs_are_requeued_exactly_once(run):
-    result, killed = run
+    result, killed, _ = run
     (dead,) = killed
     check_requeued_exactly_once(result, {rid.split("/")[0] for rid in dead.failed}, "fast/1")
+
+
+def test_poisoned_pool_is_rejected_counted_quarantined_and_never_trained(run):
+    result, _, (poisoned,) = run
+    assert sum(poisoned.used.values()) >= QUARANTINE_MIN
+    last = result.history[-1]
+    rejected = last["pool/poison/admission/rejected"]
+    by_reason = {k.rsplit("/", 1)[1]: v for k, v in last.items() if k.startswith("pool/poison/admission/rejected/")}
+    assert rejected >= QUARANTINE_MIN and sum(by_reason.values()) == rejected and len(by_reason) >= 2
+    assert set(by_reason) <= {"sampler_logprobs", "response_ids", "support.ids", "policy_version", "sampler.pool"}
+    assert last["pool/poison/admission/admitted"] == 0 and last["pool/poison/quarantined"] == 1
+    assert "pool 'poison' quarantined" in result.final["quarantined"]["poison"]
+    assert set(result.final["quarantined"]) == {"poison"}
+    trained_pools = {pool for _, pool, *_ in result.trained}
+    assert "poison" not in trained_pools and "fast" in trained_pools
+    assert result.rejected and not set(result.rejected) & {g for g, *_ in result.trained}
+    assert result.final["version"] == 3 and "poison/0" not in result.rollout_versions
 
 
 def test_malformed_generations_are_rejected_not_raised(tmp_path):
     build_tiny_checkpoint(tmp_path, TINY_QWEN3, seed=0)
     tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
     chat = ChatFormat.from_tokenizer(tok)
-    runner = EpisodeRunner(chat, lambda ids: tok.decode(ids), lambda: CodingEnv(), max_new_tokens=4,
+    decoded: list[list[int]] = []
+
+    def decode(ids):  # what the environment sees
+        decoded.append(list(ids))
+        return tok.decode(ids)
+
+    runner = EpisodeRunner(chat, decode, lambda: CodingEnv(), max_new_tokens=4,
                            max_length=TINY_QWEN3.max_position_embeddings, vocab_size=TINY_QWEN3.vocab_size,
                            stop_token_ids=(chat.im_end_id,))
     task = synthetic_suite(0).train[0]
@@ -89,14 +121,18 @@ def test_malformed_generations_are_rejected_not_raised(tmp_path):
     info = SamplerInfo(pool="p", accelerator="h100", weight_precision="bf16", kv_precision="bf16", engine="embedded")
     ids = np.asarray([5, 6, 7, chat.im_end_id], np.int32)
 
-    def gen(rid, logprobs):
-        return Generation(rid, ids, np.asarray(logprobs, np.float32), np.zeros(4, np.int64), "stop", None, info)
+    def gen(rid, logprobs, token_ids=ids):
+        return Generation(rid, token_ids, np.asarray(logprobs, np.float32), np.zeros(4, np.int64), "stop", None, info)
 
     good = gen("g/0", [-1.0] * 4)
     bad = gen("g/1", [-1.0, np.nan, -1.0, -1.0])
     positive = gen("g/2", [-1.0, 3.0, -1.0, -1.0])
-    out = runner.run_group("g", task, prompt, [good, bad, positive], SamplingParams(),
+    outside = gen("g/3", [-1.0] * 4, np.asarray([5, TINY_QWEN3.vocab_size + 9, 7, chat.im_end_id], np.int32))
+    out = runner.run_group("g", task, prompt, [good, bad, positive, outside], SamplingParams(),
                            lambda reqs: [gen(r.request_id, [-1.0] * 4) for r in reqs])
-    assert len(out.rollouts) == 1 and len(out.errors) == 2
+    assert len(out.rollouts) == 1 and out.errors == []
+    assert [(e.rollout_id, e.field) for e in out.rejected] == [
+        ("g/1", "sampler_logprobs"), ("g/2", "sampler_logprobs"), ("g/3", "response_ids")]
+    assert all(max(d) < TINY_QWEN3.vocab_size for d in decoded) and len(decoded) >= 1
     r = out.rollouts[0]
     assert r.reward == r.reward and not r.loss_mask.all() and r.loss_mask[:4].all()  # env tokens are masked

@@ -38,8 +38,6 @@ import time
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
-import numpy as np
-
 from hetrl.core.schema import Rollout, decode_rollouts, encode_rollouts
 
 __all__ = ["StalePolicy", "RolloutGroup", "StaleGroup", "PoolCounters", "RolloutBuffer", "SNAPSHOT_VERSION"]
@@ -71,10 +69,7 @@ class RolloutGroup:
         pools = sorted({r.sampler.pool for r in self.rollouts})
         if len(pools) != 1:
             raise ValueError(f"group {self.group_id!r}: rollouts come from several pools {pools}")
-        versions = []
-        for r in self.rollouts:
-            v = r.policy_version[r.loss_mask] if np.any(r.loss_mask) else r.policy_version
-            versions.append((int(v.min()), int(v.max())))
+        versions = [r.version_span() for r in self.rollouts]
         object.__setattr__(self, "_min_version", min(lo for lo, _ in versions))
         object.__setattr__(self, "_max_version", max(hi for _, hi in versions))
 

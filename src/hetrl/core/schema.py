@@ -153,11 +153,13 @@ class Rollout:
             object.__setattr__(self, name, np.asarray(getattr(self, name)))
 
     # ------------------------------------------------------------------ validation
-    def validate(self, vocab_size: int | None = None, max_length: int | None = None) -> "Rollout":
+    def validate(self, vocab_size: int | None = None, max_length: int | None = None,
+                 max_version: int | None = None) -> "Rollout":
         """Check every invariant of DESIGN §2; raise :class:`RolloutError` naming the field.
 
-        Returns ``self`` so it can be chained. ``vocab_size`` enables the id-range checks and
-        ``max_length`` bounds prompt + response length.
+        Returns ``self`` so it can be chained. ``vocab_size`` enables the id-range checks,
+        ``max_length`` bounds prompt + response length and ``max_version`` (the latest published
+        weight version) bounds ``policy_version``: a newer one was never published.
         """
         rid = self.rollout_id if isinstance(self.rollout_id, str) else None
 
@@ -210,6 +212,8 @@ class Rollout:
             fail("policy_version", "negative version on a trainable token")
         if trained_versions.size > 1 and np.any(np.diff(trained_versions) < 0):
             fail("policy_version", "versions decrease along the response")
+        if max_version is not None and ver.size and ver.max() > max_version:
+            fail("policy_version", f"version {ver.max()} was never published (the latest is {max_version})")
 
         if self.support is None:
             if self.sampling.truncated:
@@ -217,6 +221,12 @@ class Rollout:
         else:
             _check_support(fail, self, vocab_size)
         return self
+
+    def version_span(self) -> tuple[int, int]:
+        """``(oldest, newest)`` ``policy_version`` of the trainable tokens (of all tokens when
+        none is trainable): what staleness is measured on."""
+        v = self.policy_version[self.loss_mask] if np.any(self.loss_mask) else self.policy_version
+        return int(v.min()), int(v.max())
 
     # ------------------------------------------------------------------ plain-data form
     def to_dict(self) -> dict[str, Any]:
@@ -256,15 +266,13 @@ class Rollout:
                 loc = ".".join(str(p) for p in first["loc"])
                 raise RolloutError(rid, f"{name}.{loc}" if loc else name, first["msg"]) from None
         for name in cls._ARRAYS:
-            if not isinstance(data[name], np.ndarray):
-                raise RolloutError(rid, name, f"must be an array, got {type(data[name]).__name__}")
+            _require_array(rid, name, data[name])
         sup = data.get("support")
         if sup is not None:
             if not isinstance(sup, dict) or set(sup) != {"ids", "offsets", "logprobs", "kind"}:
                 raise RolloutError(rid, "support", "must be a map with ids, offsets, logprobs, kind")
             for key in ("ids", "offsets", "logprobs"):
-                if not isinstance(sup[key], np.ndarray):
-                    raise RolloutError(rid, f"support.{key}", "must be an array")
+                _require_array(rid, f"support.{key}", sup[key])
             if sup["kind"] not in SUPPORT_KINDS:
                 raise RolloutError(rid, "support.kind", f"must be one of {SUPPORT_KINDS}, got {sup['kind']!r}")
             kwargs["support"] = SamplingSupport(**sup)
@@ -273,6 +281,14 @@ class Rollout:
             raise RolloutError(rid, "timings", "must be a map")
         kwargs["timings"] = timings
         return cls(**kwargs)
+
+
+def _require_array(rid: str | None, name: str, value: Any) -> None:
+    """Raise :class:`RolloutError` naming ``name`` unless ``value`` is a decoded array."""
+    if isinstance(value, _MalformedArray):
+        raise RolloutError(rid, name, f"malformed array record: {value.reason}")
+    if not isinstance(value, np.ndarray):
+        raise RolloutError(rid, name, f"must be an array, got {type(value).__name__}")
 
 
 def _check_shape(fail, name: str, arr: np.ndarray, shape: tuple[int, ...]) -> None:
@@ -401,20 +417,28 @@ def _pack_default(obj: Any) -> Any:
     raise TypeError(f"cannot serialize {type(obj).__name__}")
 
 
+@dataclass(frozen=True)
+class _MalformedArray:
+    """What the decoder leaves in place of an array record it cannot decode, so that the field
+    holding it is named when the rollout is rejected (and the other rollouts survive)."""
+
+    reason: str
+
+
 def _unpack_hook(obj: dict) -> Any:
     if _ARRAY_TAG not in obj:
         return obj
     spec = obj[_ARRAY_TAG]
     if len(obj) != 1 or not isinstance(spec, list) or len(spec) != 3:
-        raise ValueError("malformed array record")
+        return _MalformedArray("expected [dtype, shape, bytes]")
     name, shape, data = spec
-    if name not in _WIRE_DTYPES:
-        raise ValueError(f"array dtype {name!r} not allowed")
+    if not isinstance(name, str) or name not in _WIRE_DTYPES:
+        return _MalformedArray(f"array dtype {name!r} not allowed (allowed: {sorted(_WIRE_DTYPES)})")
     if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape) or not isinstance(data, bytes):
-        raise ValueError("malformed array shape or data")
+        return _MalformedArray("shape must be a list of sizes >= 0 and data must be bytes")
     dtype = np.dtype(_WIRE_DTYPES[name]).newbyteorder("<")
     if math.prod(shape) * dtype.itemsize != len(data):
-        raise ValueError(f"array of shape {shape} and dtype {name} needs {math.prod(shape) * dtype.itemsize} bytes, got {len(data)}")
+        return _MalformedArray(f"shape {shape} and dtype {name} need {math.prod(shape) * dtype.itemsize} bytes, got {len(data)}")
     return np.frombuffer(data, dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="))
 
 

@@ -5,10 +5,18 @@ Every backend converts from and to this one form (``dict[str, np.ndarray]`` keye
 here directly (an 8-byte little-endian header length, a JSON header, raw little-endian buffers) so
 BF16 tensors round-trip as ``ml_dtypes.bfloat16`` without a framework; single files and sharded
 checkpoints (``model.safetensors.index.json``) are both handled. No pickle is involved anywhere.
+
+Integrity: :func:`save_state_dict` also writes a manifest (``hetrl.manifest.json``: size and
+SHA-256 of every file it wrote, name, dtype and shape of every tensor), last, so it describes a
+complete export. :func:`load_state_dict` checks a directory's manifest when it has one (and
+demands one with ``require_manifest``) before trusting the files: a truncated, swapped or
+tampered file, or a tensor of another name, dtype or shape, raises :class:`CheckpointError`
+naming it. Pools that load published weights from a shared disk go through it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import mmap
 import os
@@ -30,6 +38,8 @@ _DTYPES: dict[str, np.dtype] = {
 _NAMES = {v: k for k, v in _DTYPES.items()}
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+MANIFEST_FILE = "hetrl.manifest.json"
+MANIFEST_VERSION = 1
 
 
 class CheckpointError(ValueError):
@@ -148,27 +158,104 @@ def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray]
     os.replace(tmp, path)
 
 
-# ====================================================================== checkpoint directories
-def load_state_dict(directory: str | os.PathLike) -> dict[str, np.ndarray]:
-    """All tensors of an HF checkpoint directory (single file or sharded)."""
+# ====================================================================== manifests
+def _sha256(path: pathlib.Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_manifest(directory: str | os.PathLike, files: Iterable[str], state: Mapping[str, np.ndarray]) -> None:
+    """Write ``directory/hetrl.manifest.json`` for ``files`` (names in ``directory``) holding
+    ``state`` (atomically: temp file, then rename)."""
     directory = pathlib.Path(directory)
+    manifest = {
+        "hetrl_manifest": MANIFEST_VERSION,
+        "files": {name: {"size": (directory / name).stat().st_size, "sha256": _sha256(directory / name)}
+                  for name in sorted(files)},
+        "tensors": {name: {"dtype": _NAMES[np.dtype(arr.dtype)], "shape": list(arr.shape)}
+                    for name, arr in sorted(state.items())},
+    }
+    tmp = directory / (MANIFEST_FILE + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, directory / MANIFEST_FILE)
+
+
+def verify_manifest(directory: str | os.PathLike, *, required: bool = False) -> dict | None:
+    """Check size and SHA-256 of every file in ``directory``'s manifest; return the manifest
+    (None when there is none and not ``required``). Raises :class:`CheckpointError` naming the
+    first file that is missing, of another size or of another checksum."""
+    path = pathlib.Path(directory) / MANIFEST_FILE
+    if not path.exists():
+        if required:
+            raise CheckpointError(f"{directory}: no {MANIFEST_FILE}; refusing weights that cannot be verified")
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+        files, tensors = manifest["files"], manifest["tensors"]
+        if manifest.get("hetrl_manifest") != MANIFEST_VERSION or not isinstance(files, dict) or not isinstance(tensors, dict):
+            raise ValueError(f"not a version-{MANIFEST_VERSION} manifest")
+    except (ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{path}: corrupt manifest: {err}") from None
+    for name, want in files.items():
+        file = pathlib.Path(directory) / name
+        if pathlib.PurePath(name).name != name or not file.is_file():
+            raise CheckpointError(f"{directory}: file {name!r} of the manifest is missing")
+        if file.stat().st_size != want.get("size"):
+            raise CheckpointError(f"{file}: size {file.stat().st_size} differs from the manifest's {want.get('size')}")
+        if _sha256(file) != want.get("sha256"):
+            raise CheckpointError(f"{file}: SHA-256 checksum differs from the manifest's (corrupt or tampered)")
+    return manifest
+
+
+def _check_against_manifest(directory: pathlib.Path, manifest: dict, files: Iterable[str],
+                            state: Mapping[str, np.ndarray]) -> None:
+    """The ``files`` read must be the manifest's (checked by :func:`verify_manifest`), and
+    ``state`` must hold its tensors with their dtypes and shapes."""
+    unlisted = sorted(set(files) - set(manifest["files"]))
+    if unlisted:
+        raise CheckpointError(f"{directory}: file {unlisted[0]!r} is not in the manifest (left from another export?)")
+    tensors = manifest["tensors"]
+    for name in sorted(set(tensors) ^ set(state)):
+        where = "missing from the files" if name in tensors else "not in the manifest"
+        raise CheckpointError(f"{directory}: tensor {name!r} is {where}")
+    for name, arr in state.items():
+        got = {"dtype": _NAMES[arr.dtype.newbyteorder("=")], "shape": list(arr.shape)}
+        if got != tensors[name]:
+            raise CheckpointError(f"{directory}: tensor {name!r} is {got['dtype']} {got['shape']}, "
+                                  f"the manifest says {tensors[name].get('dtype')} {tensors[name].get('shape')}")
+
+
+# ====================================================================== checkpoint directories
+def load_state_dict(directory: str | os.PathLike, *, require_manifest: bool = False) -> dict[str, np.ndarray]:
+    """All tensors of an HF checkpoint directory (single file or sharded), checked against its
+    manifest when it has one (:func:`verify_manifest`; ``require_manifest``: it must have one)."""
+    directory = pathlib.Path(directory)
+    manifest = verify_manifest(directory, required=require_manifest)
     index = directory / INDEX_FILE
     if index.exists():
         weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        files = [INDEX_FILE] + sorted(set(weight_map.values()))
         out: dict[str, np.ndarray] = {}
-        for shard in sorted(set(weight_map.values())):
+        for shard in files[1:]:
             if pathlib.PurePath(shard).name != shard:
                 raise CheckpointError(f"{index}: shard name {shard!r} must be a plain file name")
             out.update(read_safetensors(directory / shard, [k for k, v in weight_map.items() if v == shard]))
-        return out
-    single = directory / SINGLE_FILE
-    if not single.exists():
-        raise CheckpointError(f"{directory}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
-    return read_safetensors(single)
+    else:
+        files = [SINGLE_FILE]
+        if not (directory / SINGLE_FILE).exists():
+            raise CheckpointError(f"{directory}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+        out = read_safetensors(directory / SINGLE_FILE)
+    if manifest is not None:
+        _check_against_manifest(directory, manifest, files, out)
+    return out
 
 
 def save_state_dict(directory: str | os.PathLike, state: Mapping[str, np.ndarray], max_shard_bytes: int = 4 << 30) -> None:
-    """Write ``state`` in HF layout: one file, or shards plus an index past ``max_shard_bytes``."""
+    """Write ``state`` in HF layout: one file, or shards plus an index past ``max_shard_bytes``,
+    then the manifest (:func:`write_manifest`)."""
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     shards: list[dict[str, np.ndarray]] = [{}]
@@ -183,6 +270,7 @@ def save_state_dict(directory: str | os.PathLike, state: Mapping[str, np.ndarray
     meta = {"format": "pt"}
     if len(shards) == 1:
         write_safetensors(directory / SINGLE_FILE, shards[0], meta)
+        write_manifest(directory, [SINGLE_FILE], state)
         return
     weight_map = {}
     for i, shard in enumerate(shards):
@@ -191,3 +279,4 @@ def save_state_dict(directory: str | os.PathLike, state: Mapping[str, np.ndarray
         weight_map.update({k: fname for k in shard})
     total = sum(a.nbytes for a in state.values())
     (directory / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    write_manifest(directory, sorted(set(weight_map.values())) + [INDEX_FILE], state)

@@ -12,6 +12,12 @@ was cut at ``max_new_tokens``) are appended to the response with ``loss_mask=Fal
 support span, log-prob 0 and the previous token's version, and generation continues. When the
 context would exceed the model's length, the episode ends early and its last answer is graded on
 its own (:meth:`CodingEnv.grade`). The reward is always the environment's.
+
+Each turn a sampler returns is validated (as a one-turn :class:`Rollout`) before the
+environment or the tokenizer sees it: a malformed turn rejects its episode with the
+:class:`RolloutError` naming the field (``GroupOutcome.rejected``, the pool's fault), apart from
+environment failures (``GroupOutcome.errors``). The assembled rollouts are checked again, with
+the version bounds, where they enter the buffer (:class:`hetrl.core.admission.RolloutGate`).
 """
 
 from __future__ import annotations
@@ -49,9 +55,11 @@ class _Episode:
 
 @dataclass
 class GroupOutcome:
-    """The valid rollouts of a group and what was rejected (``errors``: one message each)."""
+    """The rollouts of a group's well-formed episodes, one :class:`RolloutError` per episode
+    with a malformed turn (``rejected``) and one message per environment failure (``errors``)."""
 
     rollouts: list[Rollout]
+    rejected: list[RolloutError]
     errors: list[str]
     turns: list[int]
     solved: list[bool]
@@ -86,9 +94,10 @@ class EpisodeRunner:
     def run_group(self, group_id: str, task: Task, prompt: np.ndarray, first: Sequence[Generation],
                   sampling: SamplingParams, continue_fn: ContinueFn) -> GroupOutcome:
         """Play the episodes whose first turn is ``first`` to the end; ``continue_fn`` generates
-        later turns (on the same replica). Environment errors and malformed rollouts reject that
+        later turns (on the same replica). Environment errors and malformed turns reject that
         episode only; an exception of ``continue_fn`` propagates (the group must be redone)."""
         episodes: list[_Episode] = []
+        rejected: list[RolloutError] = []
         errors: list[str] = []
         for _ in first:
             env = self.env_factory()
@@ -102,7 +111,11 @@ class EpisodeRunner:
             for i, g in gens.items():
                 ep = episodes[i]
                 try:
-                    self._apply(ep, g, task, turn)
+                    self._apply(ep, g, task, turn, f"{group_id}/{i}", sampling)
+                except RolloutError as err:  # the sampler returned a malformed turn
+                    rejected.append(err)
+                    ep.done, ep.pieces = True, []
+                    continue
                 except Exception as err:  # an environment/sandbox failure rejects this episode only
                     errors.append(f"{group_id}/{i}: environment error: {type(err).__name__}: {err}")
                     ep.done, ep.pieces = True, []
@@ -121,17 +134,24 @@ class EpisodeRunner:
         for i, ep in enumerate(episodes):
             if not ep.pieces:
                 continue
-            try:
-                rollouts.append(self._rollout(f"{group_id}/{i}", group_id, ep, sampling))
-                turns.append(ep.turns)
-                solved.append(ep.solved)
-            except RolloutError as err:
-                errors.append(str(err))
-        return GroupOutcome(rollouts, errors, turns, solved)
+            rollouts.append(self._rollout(f"{group_id}/{i}", group_id, ep, sampling))
+            turns.append(ep.turns)
+            solved.append(ep.solved)
+        return GroupOutcome(rollouts, rejected, errors, turns, solved)
 
     # ------------------------------------------------------------------ internals
-    def _apply(self, ep: _Episode, g: Generation, task: Task, turn: int) -> None:
-        """Append generation ``g`` to ``ep``, step the environment, append its feedback or finish."""
+    def _check_turn(self, rollout_id: str, context: np.ndarray, g: Generation, sampling: SamplingParams) -> None:
+        """Raise :class:`RolloutError` naming the field if ``g``, the continuation of ``context``,
+        is not a valid one-turn rollout (checked on the arrays as the sampler returned them)."""
+        Rollout(rollout_id=rollout_id, group_id=rollout_id, prompt_ids=context, response_ids=g.token_ids,
+                loss_mask=np.ones(np.shape(g.token_ids)[:1], bool), sampler_logprobs=g.logprobs,
+                policy_version=g.policy_version, reward=0.0, finish_reason=g.finish_reason, sampling=sampling,
+                sampler=g.sampler, support=g.support).validate(self.vocab_size, self.max_length)
+
+    def _apply(self, ep: _Episode, g: Generation, task: Task, turn: int, rollout_id: str, sampling: SamplingParams) -> None:
+        """Check generation ``g`` (:meth:`_check_turn`), append it to ``ep``, step the
+        environment, append its feedback or finish."""
+        self._check_turn(rollout_id, ep.context, g, sampling)
         ep.sampler = g.sampler
         ep.turns = turn
         ep.finish_reason = g.finish_reason
@@ -159,6 +179,7 @@ class EpisodeRunner:
                           np.full(env_ids.shape[0], last_version, np.int64), None))
 
     def _rollout(self, rollout_id: str, group_id: str, ep: _Episode, sampling: SamplingParams) -> Rollout:
+        """The episode's rollout, assembled from its checked turns and the environment's tokens."""
         ids = np.concatenate([p[0] for p in ep.pieces]).astype(np.int32)
         mask = np.concatenate([np.full(p[0].shape[0], p[1]) for p in ep.pieces]).astype(bool)
         lps = np.concatenate([p[2] for p in ep.pieces]).astype(np.float32)
@@ -183,11 +204,10 @@ class EpisodeRunner:
                                       offsets=offsets,
                                       logprobs=np.concatenate(slp).astype(np.float32) if slp else np.zeros(0, np.float32),
                                       kind=kind)
-        rollout = Rollout(rollout_id=rollout_id, group_id=group_id, prompt_ids=ep.prompt, response_ids=ids,
-                          loss_mask=mask, sampler_logprobs=lps, policy_version=vers, reward=ep.reward,
-                          finish_reason=ep.finish_reason, sampling=sampling, sampler=ep.sampler, support=support,
-                          timings={"turns": float(ep.turns), "solved": float(ep.solved)})
-        return rollout.validate(vocab_size=self.vocab_size, max_length=self.max_length)
+        return Rollout(rollout_id=rollout_id, group_id=group_id, prompt_ids=ep.prompt, response_ids=ids,
+                       loss_mask=mask, sampler_logprobs=lps, policy_version=vers, reward=ep.reward,
+                       finish_reason=ep.finish_reason, sampling=sampling, sampler=ep.sampler, support=support,
+                       timings={"turns": float(ep.turns), "solved": float(ep.solved)})
 
 
 def _solved(info: dict) -> bool:

@@ -14,7 +14,10 @@ Threads of the driver:
 * one **rollout worker per pool replica**: ``fleet.serve_once(replica)`` takes the first turn of
   groups routed to it; the worker then plays each group's episodes to the end on the same replica
   (:class:`hetrl.orchestrator.episodes.EpisodeRunner`), with rewards from the environment,
-  validates every rollout (malformed ones are rejected and counted, never trained) and puts the
+  passes every rollout through the :class:`hetrl.core.admission.RolloutGate` (malformed or
+  poisoned ones are rejected and counted per pool and reason, never trained; a pool that returns
+  too many is quarantined by ``fleet.quarantine``: the fleet stops routing to it and its work,
+  queued, in flight or returned afterwards, is sampled again on the other pools) and puts the
   group into the :class:`RolloutBuffer`;
 * the **trainer loop** (the calling thread): ``buffer.take(batch_groups, trainer.version)``
   returns as soon as that many groups are ready, none older than ``max_staleness`` versions; the
@@ -59,6 +62,7 @@ from __future__ import annotations
 
 import abc
 import json
+import os
 import pathlib
 import threading
 import time
@@ -70,6 +74,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from hetrl.config import ConfigError, RunConfig
+from hetrl.core.admission import RolloutGate
 from hetrl.core.buffer import RolloutBuffer, RolloutGroup
 from hetrl.core.schema import RolloutBatch, SamplingParams, collate
 from hetrl.envs.base import ChatFormat, Task
@@ -88,7 +93,7 @@ if TYPE_CHECKING:
     from hetrl.trainer_jax.config import JaxTrainerConfig
 
 __all__ = ["SuiteOptions", "EvalOptions", "SyntheticEnvOptions", "TrainerHandle", "AsyncOrchestrator", "RunResult",
-           "SamplerWrapper", "Retracted", "build_embedded_sampler", "build_jax_trainer", "SAMPLER_BATCH"]
+           "SamplerWrapper", "Retracted", "build_embedded_sampler", "build_jax_trainer", "SAMPLER_BATCH", "write_atomic"]
 
 SamplerWrapper = Callable[[PoolConfig, int, Sampler], Sampler]
 """Wraps replica ``index`` of a pool (tests: slow or failing pools); must keep ``info``."""
@@ -185,7 +190,8 @@ class RunResult:
     """What a run did. ``trained`` lists ``(group_id, pool, min_version, trainer_version)`` per
     trained group in order; ``received`` every group id put into the buffer; ``submitted``
     every group id sent to the fleet; ``retracted`` every group id retracted under
-    ``weight_update: abort``; ``rollout_versions[replica key]`` the first-token weight version
+    ``weight_update: abort``; ``rejected`` every group id none of whose rollouts was admitted
+(:class:`hetrl.core.admission.RolloutGate`); ``rollout_versions[replica key]`` the first-token weight version
     of each valid rollout that replica produced, in arrival order; ``rollout_spans[replica
     key]`` the ``(min, max)`` token version of each; ``rewards`` the environment reward of each."""
 
@@ -204,6 +210,7 @@ class RunResult:
     plots: list[pathlib.Path]
     checkpoint_dir: pathlib.Path
     checkpoint_steps: list[int] = field(default_factory=list)
+    rejected: list[str] = field(default_factory=list)
 
 
 class AsyncOrchestrator(abc.ABC):
@@ -284,6 +291,9 @@ class AsyncOrchestrator(abc.ABC):
         self._eval_sampler = (self._create_sampler(sampler_numerics("fp32"), pool="eval", seed=cfg.seed)
                               if self.options.eval.every else None)
         self.buffer = RolloutBuffer(cfg.async_.max_staleness, cfg.async_.stale_policy)
+        self.gate = RolloutGate(cfg.fleet.quarantine, vocab_size=self.model_config.vocab_size,
+                                max_length=self.model_config.max_position_embeddings,
+                                max_staleness=cfg.async_.max_staleness)
         if cfg.checkpointing.resume and self.checkpoint_dir.exists() and self.trainer.checkpoint_steps():
             step = self.trainer.restore()
             snap = self.checkpoint_dir / f"buffer-{step}.json"
@@ -377,21 +387,32 @@ class AsyncOrchestrator(abc.ABC):
                 self._outstanding -= 1
             self._resubmit(spec.task)
             return
+        pool = replica.pool.name
+        admission = self.gate.admit(pool, outcome.rollouts, outcome.rejected, published_version=self.fleet.published_version)
+        if admission.quarantined is not None:
+            self.fleet.quarantine(pool, admission.quarantined)
+        buffered = admission.admitted + admission.stale  # the buffer drops or regenerates the stale ones
+        quarantined = self.gate.is_quarantined(pool)
         with self._lock:
-            self._counts["rollouts_rejected"] += len(outcome.errors)
-            self._counts["rollouts_valid"] += len(outcome.rollouts)
-            self._errors.extend(outcome.errors[-5:])
-            if not outcome.rollouts:
-                self._counts["groups_rejected"] += 1
+            self._counts["rollouts_rejected"] += len(admission.rejected) + len(outcome.errors)
+            self._counts["rollouts_valid"] += len(buffered)
+            self._errors.extend([str(e) for e in admission.rejected[-5:]] + outcome.errors[-5:])
+            if not buffered:
+                self._counts["groups_rerouted" if quarantined else "groups_rejected"] += 1
+                self._rejected.append(spec.group_id)
                 self._outstanding -= 1
-                return
-            for r in outcome.rollouts:
+        if not buffered:
+            if quarantined:  # its pool is out: sample the prompt again on the others
+                self._resubmit(spec.task)
+            return
+        with self._lock:
+            for r in buffered:
                 self._rollout_versions.setdefault(replica.key, []).append(int(r.policy_version[0]))
                 self._rollout_spans.setdefault(replica.key, []).append(
                     (int(r.policy_version.min()), int(r.policy_version.max())))
                 self._rewards.append(float(r.reward))
             self._turns.extend(outcome.turns)
-        group = RolloutGroup(spec.group_id, spec.task.task_id, tuple(outcome.rollouts))
+        group = RolloutGroup(spec.group_id, spec.task.task_id, tuple(buffered))
         try:
             accepted = self.buffer.put(group)
         except RuntimeError:  # buffer closed: the run is over
@@ -441,9 +462,11 @@ class AsyncOrchestrator(abc.ABC):
         self._next_gid = 0
         self._outstanding = len(self.buffer)
         self._dropped_seen = self._buffer_dropped()
-        self._counts = {k: 0 for k in ("rollouts_valid", "rollouts_rejected", "groups_rejected", "continuation_failures")}
+        self._counts = {k: 0 for k in ("rollouts_valid", "rollouts_rejected", "groups_rejected", "groups_rerouted",
+                                       "continuation_failures")}
         self._errors: list[str] = []
         self._retracted: list[str] = []
+        self._rejected: list[str] = []
         self._rollout_versions: dict[str, list[int]] = {}
         self._rollout_spans: dict[str, list[tuple[int, int]]] = {}
         self._rewards: list[float] = []
@@ -471,7 +494,8 @@ class AsyncOrchestrator(abc.ABC):
                         groups = self.buffer.take(a.batch_groups, self.trainer.version, timeout=0.5)
                         self._top_up()
                         if not groups and not any(r.alive for r in self.fleet.replicas):
-                            raise RuntimeError("every sampler replica is dead; the run cannot continue")
+                            raise RuntimeError("every sampler replica is dead or quarantined; the run cannot "
+                                               f"continue (quarantined: {self.gate.quarantined() or 'none'})")
                     wait_s = time.monotonic() - wait_start
                     version = self.trainer.version
                     rollouts = [r for g in groups for r in g.rollouts]
@@ -507,7 +531,7 @@ class AsyncOrchestrator(abc.ABC):
                         "throughput/gen_tokens_per_s": (gen_tokens - last_gen_tokens) / max(now - last_time, 1e-9),
                         "throughput/trained_tokens_per_s": float(batch.loss_mask.sum()) / max(now - last_time, 1e-9),
                         **{f"batch/pool/{p}/groups": float(sum(g.pool == p for g in groups)) for p in self.pool_names},
-                        **{k: v for k, v in fm.items()}, **self.buffer.metrics(),
+                        **{k: v for k, v in fm.items()}, **self.buffer.metrics(), **self.gate.metrics(),
                         **{f"rollout/{k}": float(v) for k, v in self._counts.items()},
                         "rollout/retracted": float(len(self._retracted)),
                     }
@@ -545,12 +569,14 @@ class AsyncOrchestrator(abc.ABC):
             "rollouts_rejected": self._counts["rollouts_rejected"], "requeues": int(fm["fleet/requeues"]),
             "output_dir": str(self.output_dir), "errors_sample": self._errors[-5:],
             "continuation_failures": self._counts["continuation_failures"],
+            "quarantined": self.gate.quarantined(),
         }
         (self.output_dir / "summary.json").write_text(json.dumps(final, indent=2))
         return RunResult(history, final, trained, list(self.result_received), list(self.result_submitted),
                          list(self._retracted), {k: list(v) for k, v in self._rollout_versions.items()},
                          {k: list(v) for k, v in self._rollout_spans.items()}, list(self._rewards),
-                         self.output_dir, self.metrics_path, self.tensorboard_dir, plots, self.checkpoint_dir, steps)
+                         self.output_dir, self.metrics_path, self.tensorboard_dir, plots, self.checkpoint_dir, steps,
+                         list(self._rejected))
 
     # ================================================================== helpers
     def _buffer_dropped(self) -> int:
@@ -559,7 +585,7 @@ class AsyncOrchestrator(abc.ABC):
     def _snapshot_buffer(self) -> None:
         path = self.checkpoint_dir / f"buffer-{self.trainer.version}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.buffer.snapshot()))
+        write_atomic(path, json.dumps(self.buffer.snapshot()))
 
     def _prune_snapshots(self, keep_steps: list[int]) -> None:
         for path in self.checkpoint_dir.glob("buffer-*.json"):
@@ -575,7 +601,7 @@ class AsyncOrchestrator(abc.ABC):
             c = counters.get(name)
             rows.append({
                 "pool": name, "numerics": f"{pool.accelerator} {n.weight_format}/{n.kv_format}",
-                "alive": f"{sum(r.alive for r in reps)}/{len(reps)}",
+                "alive": "quarantined" if name in self.fleet.quarantined else f"{sum(r.alive for r in reps)}/{len(reps)}",
                 "weight_version": ",".join("-" if r.weight_version is None else str(r.weight_version) for r in reps),
                 "requests": int(fm[f"pool/{name}/requests"]), "tokens": int(fm[f"pool/{name}/tokens"]),
                 "trained": c.groups_out if c else 0, "dropped": c.dropped if c else 0,
@@ -583,6 +609,21 @@ class AsyncOrchestrator(abc.ABC):
                 "k3": fm.get(f"pool/{name}/mismatch_avg/k3"), "cost_usd": fm[f"pool/{name}/cost/usd"],
             })
         return rows
+
+
+def write_atomic(path: pathlib.Path, text: str) -> None:
+    """Write ``text`` to ``path`` all or nothing (a synced temporary file beside it, then a
+    rename), so a crash mid-write leaves the previous file intact: a resume reads the buffer
+    snapshot of the checkpoint it restores."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _oldest_version(generations: Sequence[Generation]) -> int:

@@ -31,18 +31,25 @@ match its requests one to one is marked dead; every job assigned to it (in fligh
 goes back to the front of the queue, in order, and is routed elsewhere. A dead replica never
 serves again, so a job is attempted at most once per replica and is delivered exactly once.
 
+**Quarantine.** A pool whose rollouts are rejected too often (the policy is
+:class:`hetrl.core.admission.QuarantineConfig`, ``FleetConfig.quarantine``; the orchestrator
+decides) is taken out by :meth:`Fleet.quarantine`: its replicas stop serving like dead ones,
+its assigned and in-flight jobs go back to the queue for the other pools (the results of a call
+already running are discarded), and the reason is logged and kept in :attr:`Fleet.quarantined`.
+
 **Metrics** (:meth:`Fleet.metrics`), per pool under ``pool/<name>/``: ``requests`` (completed),
 ``jobs``, ``tokens`` (generated), ``errors``, ``requeues`` (jobs sent back), ``busy_s``
 (summed busy time of the replicas: wall time of ``generate`` calls, or modelled from tokens and
 throughput, see :class:`FleetConfig`), ``replicas_alive``; mismatch metrics
 aggregated over training steps (:meth:`Fleet.record_mismatch`); cost ``cost/usd =
 price_per_hour x accelerators_per_replica x busy hours``, ``trained_tokens``
-(:meth:`Fleet.record_trained`) and ``cost/usd_per_trained_token``; fleet totals under
-``fleet/``.
+(:meth:`Fleet.record_trained`) and ``cost/usd_per_trained_token``, ``quarantined`` (0 or 1);
+fleet totals under ``fleet/``.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import threading
@@ -54,6 +61,7 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from hetrl.core.admission import QuarantineConfig
 from hetrl.samplers.base import Generation, GenerationRequest, Sampler
 from hetrl.samplers.profiles import CATALOGUE, SamplerNumerics, get_profile
 
@@ -61,6 +69,7 @@ __all__ = ["Engine", "PoolConfig", "FleetConfig", "Replica", "JobResult", "Fleet
 
 Engine = Literal["embedded", "sglang", "sglang-jax"]
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+log = logging.getLogger(__name__)
 
 
 class PoolConfig(BaseModel):
@@ -141,7 +150,9 @@ class FleetConfig(BaseModel):
     ``cost_clock``: how a replica's busy time is measured for cost accounting. ``wall``: the
     wall time of its ``generate`` calls (real accelerators). ``modelled``: generated tokens /
     (``reference_tokens_per_s`` x the pool's relative throughput), i.e. the time the pool's
-    accelerator would take, for embedded pools that all run on the same CPU."""
+    accelerator would take, for embedded pools that all run on the same CPU.
+
+    ``quarantine``: when a pool returning too many rejected rollouts is taken out of routing."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -150,6 +161,7 @@ class FleetConfig(BaseModel):
     cost_clock: Literal["wall", "modelled"] = "wall"
     reference_tokens_per_s: float = Field(1000.0, gt=0.0, allow_inf_nan=False,
                                           description="decode tokens/s of one H100-bf16 replica (modelled clock)")
+    quarantine: QuarantineConfig = QuarantineConfig()
 
     @field_validator("pools")
     @classmethod
@@ -259,6 +271,7 @@ class Fleet:
         self._weights: tuple[int, Mapping[str, np.ndarray]] | None = None
         self._closed = False
         self._epoch = 0  # bumped by _wake_all: waiting serve_once calls return
+        self.quarantined: dict[str, str] = {}  # pool -> reason
 
     @classmethod
     def from_config(cls, config: FleetConfig, factory: SamplerFactory) -> "Fleet":
@@ -289,6 +302,32 @@ class Fleet:
                 raise ValueError(f"weight version {version} is not newer than {self._weights[0]}")
             self._weights = (version, weights)
             self._cond.notify_all()
+
+    @property
+    def published_version(self) -> int:
+        """The latest published weight version (0 before the first publication): no replica
+        can have sampled with a newer one."""
+        with self._cond:
+            return 0 if self._weights is None else self._weights[0]
+
+    def quarantine(self, pool: str, reason: str) -> None:
+        """Take ``pool`` out of routing for good (see the module docstring); idempotent."""
+        with self._cond:
+            if pool in self.quarantined:
+                return
+            self.quarantined[pool] = reason
+            jobs = []
+            for r in self.replicas:
+                if r.pool.name == pool:
+                    jobs += list(r.in_flight) + list(r.assigned)
+                    r.alive, r.in_flight, r.assigned = False, [], deque()
+            self._stats[pool].requeues += len(jobs)
+            self._queue.extendleft(reversed(jobs))
+            self._dispatch_locked()
+            self._cond.notify_all()
+            others = sorted({r.pool.name for r in self.replicas if r.alive})
+        log.error("%s; %d of its jobs re-routed to the other pools (%s)", reason, len(jobs),
+                  ", ".join(others) or "none left: the fleet cannot make progress")
 
     def close(self) -> None:
         """Stop: refuse new jobs and wake every waiting :meth:`serve_once` (which returns [])."""
@@ -327,6 +366,8 @@ class Fleet:
         with self._cond:
             if r.in_flight:
                 raise RuntimeError(f"replica {r.key} is already generating: one worker per replica")
+            if not r.alive or not r.assigned:  # quarantined meanwhile: its jobs went back to the queue
+                return []
             batch, size = [], 0
             while r.assigned and (not batch or size + len(r.assigned[0].requests) <= self.max_batch):
                 job = r.assigned.popleft()
@@ -355,6 +396,8 @@ class Fleet:
             results.append(JobResult(job.job_id, r.pool.name, r.key, gens, job.attempts))
         with self._cond:
             r.busy_s += elapsed
+            if not r.alive:  # quarantined while generating: its jobs were re-queued, discard these
+                return []
             r.in_flight = []
             stats = self._stats[r.pool.name]
             stats.jobs += len(batch)
@@ -437,7 +480,7 @@ class Fleet:
         """Flat per-pool and fleet-total metrics (see the module docstring)."""
         out: dict[str, float] = {}
         totals = {"requests": 0.0, "jobs": 0.0, "tokens": 0.0, "errors": 0.0, "requeues": 0.0, "busy_s": 0.0,
-                  "replicas_alive": 0.0, "trained_tokens": 0.0, "cost/usd": 0.0}
+                  "replicas_alive": 0.0, "trained_tokens": 0.0, "cost/usd": 0.0, "quarantined": 0.0}
         costs = {name: self.cost_usd(name) for name in self.pools}
         with self._cond:
             for name, s in self._stats.items():
@@ -445,7 +488,7 @@ class Fleet:
                 row = {"requests": s.requests, "jobs": s.jobs, "tokens": s.tokens, "errors": s.errors,
                        "requeues": s.requeues, "busy_s": sum(r.busy_s for r in reps),
                        "replicas_alive": sum(r.alive for r in reps), "trained_tokens": s.trained_tokens,
-                       "cost/usd": costs[name]}
+                       "cost/usd": costs[name], "quarantined": name in self.quarantined}
                 for k, v in row.items():
                     out[f"pool/{name}/{k}"] = float(v)
                     totals[k] += float(v)

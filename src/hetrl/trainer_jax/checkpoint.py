@@ -12,6 +12,12 @@ One checkpoint per step under ``directory/<step>/`` with four items:
 Retention: at most ``keep`` checkpoints remain (Orbax ``max_to_keep``; oldest deleted first).
 Saves are asynchronous when ``async_save`` (device-to-host copy is synchronous, the write runs in
 the background); :meth:`TrainCheckpointer.wait` blocks until it is on disk.
+
+Interruption: a checkpoint is written into ``<step>.orbax-checkpoint-tmp`` and only renamed to
+``<step>`` once every item is on disk (on object stores, a ``commit_success.txt`` marks it
+finalized instead), so a save interrupted halfway leaves the previous checkpoints as the latest
+loadable ones; the unfinished temporary directory is removed by the next checkpointer on that
+directory (before its first save).
 """
 
 from __future__ import annotations
@@ -38,7 +44,8 @@ class TrainCheckpointer:
         self.directory = pathlib.Path(directory).absolute()
         self._manager = ocp.CheckpointManager(
             self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True),
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True,
+                                                 cleanup_tmp_directories=True),
             item_handlers={
                 "params": ocp.StandardCheckpointHandler(),
                 "opt_state": ocp.StandardCheckpointHandler(),
