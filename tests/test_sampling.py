@@ -1,12 +1,13 @@
 """Sampling math of hetrl.samplers.sampling: kept sets against hand-derived top-k/top-p sets,
-renormalization, the sampled token always inside, empirical frequencies, head mode."""
+renormalization, the sampled token always inside, empirical frequencies, head mode; the
+prefiltered top-k against ``lax.top_k`` bit for bit; noise drawn ahead against noise per step."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hetrl.samplers.sampling import check_params, row_keys, sample
+from hetrl.samplers.sampling import check_params, draw_noise, row_keys, sample, top_k_exact, top_k_floor
 
 # Probabilities of a 5-token vocabulary. Sorted: 1 (.40), 3 (.25), 4 (.20), 2 (.10), 0 (.05);
 # cumulative mass .40, .65, .85, .95, 1. At T = 2 (probs ∝ sqrt p): 1 (.2984), 3 (.2359),
@@ -34,9 +35,9 @@ CASES = [
 
 def _run(logits, temps, top_k, top_p, width=5, head_size=5, seed=0):
     logits = jnp.asarray(logits, jnp.float32)
-    keys = row_keys(jax.random.key(seed), logits.shape[0], 0)
+    noise = draw_noise(row_keys(jax.random.key(seed), logits.shape[0], 0), width)
     fn = jax.jit(sample, static_argnames=("width", "head_size"))
-    out = fn(keys, logits, jnp.asarray(temps, jnp.float32), jnp.asarray(top_k, jnp.int32),
+    out = fn(noise, logits, jnp.asarray(temps, jnp.float32), jnp.asarray(top_k, jnp.int32),
              jnp.asarray(top_p, jnp.float32), width=width, head_size=head_size)
     return jax.tree.map(np.asarray, out)
 
@@ -143,3 +144,92 @@ def test_draws_are_deterministic_and_independent_of_batch_padding():
     np.testing.assert_array_equal(a.token, b.token)
     np.testing.assert_array_equal(a.token[:3], c.token)
     assert not np.array_equal(a.token, d.token)
+
+
+def _top_k_case(case: str, rng: np.random.Generator, B: int = 16, V: int = 4096) -> np.ndarray:
+    """[B, V] float32 rows built to stress the prefilter of :func:`top_k_exact`."""
+    x = rng.normal(size=(B, V)).astype(np.float32) * 3
+    if case == "ties":  # quarter steps: ties inside the top k and across its boundary
+        x = np.round(x * 4).astype(np.float32) / 4
+    elif case == "tight_floor":  # 8 large entries in distinct 16-entry sub-groups of each 512-entry
+        x -= 100.0  # group: the floor equals the k-th largest entry (k = 64), which must be kept
+        large = rng.permutation(64)[None, :] + rng.uniform(0, 0.5, size=(B, 64))
+        cols = (np.arange(8)[:, None] * 512 + np.arange(8)[None, :] * 16 + 3).reshape(-1)
+        x[:, cols] = large
+    elif case == "one_group":  # the whole top k in 8 sub-groups of one group: only that group's
+        x[:, 256:384] += 100.0  # floor is high, the row's floor (the lowest) keeps many entries
+    elif case == "signed_zeros":  # lax.top_k orders -0.0 below +0.0
+        x = np.where(rng.random((B, V)) < 0.5, np.float32(-0.0), np.float32(0.0))
+        x[:, ::97] = 1.0
+    elif case == "infinities":
+        x = np.where(rng.random((B, V)) < 0.99, -np.inf, x).astype(np.float32)
+        x[:, ::1000] = np.inf
+    elif case == "nans":  # lax.top_k orders -NaN lowest and NaN highest
+        x[:, ::300] = np.nan
+        x[:, 7::300] = -np.nan
+    elif case == "constant":
+        x = np.full((B, V), 0.25, np.float32)
+    return x
+
+
+@pytest.mark.parametrize("case", ["normal", "ties", "tight_floor", "one_group", "signed_zeros", "infinities", "nans",
+                                  "constant"])
+def test_top_k_exact_equals_lax_top_k_bit_for_bit(case):
+    k = 64
+    x = jnp.asarray(_top_k_case(case, np.random.default_rng(0)))
+    assert top_k_floor(x, k) is not None  # the prefiltered path is the one under test
+    got = jax.jit(top_k_exact, static_argnums=1)(x, k)
+    want = jax.jit(jax.lax.top_k, static_argnums=1)(x, k)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    np.testing.assert_array_equal(np.asarray(got[0]).view(np.int32), np.asarray(want[0]).view(np.int32))
+
+
+def test_top_k_floor_keeps_k_entries_and_filters_the_rest():
+    rng = np.random.default_rng(1)
+    k = 64
+    for case in ("normal", "ties", "tight_floor", "one_group"):
+        x = _top_k_case(case, rng)
+        t = np.asarray(jax.jit(top_k_floor, static_argnums=1)(jnp.asarray(x), k))
+        survivors = (x >= t[:, None]).sum(axis=1)
+        assert survivors.min() >= k, case
+        if case == "normal":  # the point of the floor: ~100 of 4096 entries survive
+            assert survivors.max() < x.shape[1] // 16, survivors
+        if case == "ties":  # ~200: distinct values are fewer, the floor lower, but it still filters
+            assert survivors.max() < x.shape[1] // 8, survivors
+        if case == "tight_floor":
+            assert np.all(survivors == k)
+    # too few entries per group (V / (16 * k / 8) < 8): no floor, plain lax.top_k
+    assert top_k_floor(jnp.zeros((2, 512)), 64) is None
+    assert top_k_floor(jnp.zeros((2, 4096)), 60) is None
+
+
+def test_sample_support_is_the_top_of_the_row_on_a_large_vocabulary():
+    """V = 2048, W = 64 (the prefiltered top-k): every kept support is the prefix of the row's
+    order by (z / T decreasing, id increasing), computed here with numpy."""
+    rng = np.random.default_rng(2)
+    B, V, W = 24, 2048, 64
+    assert top_k_floor(jnp.zeros((B, V)), W) is not None
+    logits = (rng.normal(size=(B, V)) * rng.uniform(0.5, 4.0, size=(B, 1))).astype(np.float32)
+    logits[:4] = np.round(logits[:4])  # tied rows
+    temps = rng.uniform(0.5, 1.5, size=B).astype(np.float32)
+    top_k = rng.choice([0, 1, 20, 64], size=B)
+    top_p = rng.choice([0.5, 0.9, 1.0], size=B)
+    top_k[(top_k == 0) & (top_p == 1.0)] = 64  # truncated rows only: the support is the kept set
+    out = _run(logits, temps, top_k, top_p, width=W, head_size=W, seed=4)
+    s = logits / temps[:, None]
+    for b in range(B):
+        order = np.lexsort((np.arange(V), -s[b]))  # decreasing s, ties: lower id first
+        n = out.count[b]
+        assert n >= 1 and (top_k[b] == 0 or n <= top_k[b])
+        assert out.support_ids[b, :n].tolist() == order[:n].tolist(), b
+
+
+def test_noise_drawn_ahead_equals_noise_drawn_per_step():
+    key, B, N, W = jax.random.key(5), 3, 4, 8
+    ahead = draw_noise(jax.vmap(lambda n: row_keys(key, B, n))(jnp.arange(N)), W)
+    assert ahead.kept.shape == (N, B, W) and ahead.full.shape == (N, B)
+    for n in range(N):
+        now = draw_noise(row_keys(key, B, n), W)
+        np.testing.assert_array_equal(np.asarray(ahead.kept[n]), np.asarray(now.kept))
+        np.testing.assert_array_equal(jax.random.key_data(ahead.full[n]), jax.random.key_data(now.full))
+    assert not np.array_equal(np.asarray(ahead.kept[0]), np.asarray(ahead.kept[1]))

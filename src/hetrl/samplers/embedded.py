@@ -23,9 +23,10 @@ requests; each chunk runs as ONE jitted function:
    on the hidden state at slot ``P − 1`` only; its logits give the first token.
 2. **decode**: ``jax.lax.while_loop`` s over steps ``n = 1 .. N − 1`` feed token ``n − 1`` at
    slot ``P + n − 1`` (position ``P_b + n − 1``) through the KV-cached model and sample token
-   ``n`` (:func:`hetrl.samplers.sampling.sample`); they exit early once every row is done. A row
-   is done after a stop token (``finish_reason="stop"``; the stop token is part of the response)
-   or after its own ``max_new_tokens`` (``"length"``). Attention reads every slot of the cache,
+   ``n`` (:func:`hetrl.samplers.sampling.sample`, its Gumbel noise drawn for every step before
+   the loop); they exit early once every row is done. A row is done after a stop token
+   (``finish_reason="stop"``; the stop token is part of the response) or after its own
+   ``max_new_tokens`` (``"length"``). Attention reads every slot of the cache,
    so the cache holds ``P + N // 2`` slots for steps ``n <= N // 2`` and is grown (one copy) to
    ``P + N`` for the rest (:func:`_decode_segments`): one loop per cache size.
 
@@ -58,7 +59,7 @@ from hetrl.models.hf_io import check_state_dict, load_state_dict
 from hetrl.models.qwen_jax import KVCache, QwenModel, from_hf_state_dict, grow_cache, init_cache
 from hetrl.samplers.base import Generation, GenerationRequest, SamplerHealth
 from hetrl.samplers.profiles import SamplerNumerics
-from hetrl.samplers.sampling import DEFAULT_SUPPORT_CAP, check_params, row_keys, sample
+from hetrl.samplers.sampling import DEFAULT_SUPPORT_CAP, check_params, draw_noise, row_keys, sample
 
 __all__ = ["EmbeddedSampler", "quantize_weights", "QUANTIZED_WEIGHT", "DEFAULT_LENGTH_BUCKETS", "DEFAULT_BATCH_BUCKETS"]
 
@@ -139,8 +140,13 @@ def _generate_chunk(leaves, prompt_ids, prompt_lens, temperature, top_k, top_p, 
     positions = jnp.maximum(jnp.arange(P)[None, :] - first[:, None], 0).astype(jnp.int32)
     cache = init_cache(model.config, B, P + segments[0], dtype=model.numerics.compute_dtype)
 
+    # every step's noise in one call, [N, B, W] floats (row b's draw at step n still depends only on
+    # (key, b, n)): drawn per step, threefry's small loops (rolled on CPU) ran three times a step
+    noise = draw_noise(jax.vmap(lambda n: row_keys(key, B, n))(jnp.arange(n_steps)), width)  # [N, B, ...]
+
     def draw(logits, step):
-        return sample(row_keys(key, B, step), logits, temperature, top_k, top_p, width=width, head_size=head_size)
+        return sample(jax.tree.map(lambda a: a[step], noise), logits, temperature, top_k, top_p, width=width,
+                      head_size=head_size)
 
     def stops(token):
         return jnp.any(stop_ids == token[:, None], axis=-1)
