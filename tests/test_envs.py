@@ -17,7 +17,7 @@ from hetrl.envs.coding import (
 )
 from hetrl.envs.sandbox import Sandbox, SandboxLimits
 from hetrl.envs.tasks_realcode import BROKEN, function_tasks, repo_tasks
-from hetrl.envs.tasks_synthetic import OPS, PROBES, Program, programs_by_tier, synthetic_suite
+from hetrl.envs.tasks_synthetic import OPS, PROBES, Program, SuiteConfig, programs_by_tier, synthetic_suite
 
 REAL_TASKS = function_tasks() + repo_tasks()
 
@@ -32,9 +32,12 @@ def env(sandbox) -> CodingEnv:
     return CodingEnv(CodingEnvConfig(max_turns=3, format_weight=0.1), sandbox=sandbox)
 
 
+FUNCTION_SPLIT = SuiteConfig(seed=0, tiers=(1, 2, 3), split="functions")
+
+
 @pytest.fixture(scope="module")
 def suite():
-    return synthetic_suite(seed=0)
+    return synthetic_suite(FUNCTION_SPLIT)
 
 
 def _wrong(entry: str = "f", param: str = "xs") -> str:
@@ -124,10 +127,10 @@ def test_synthetic_reference_scores_one_end_to_end(env, suite):
 
 
 def test_synthetic_splits_are_deterministic_and_disjoint(suite):
-    rebuilt = synthetic_suite.__wrapped__(seed=0)
+    rebuilt = synthetic_suite.__wrapped__(FUNCTION_SPLIT)
     assert [t.model_dump() for t in rebuilt.train] == [t.model_dump() for t in suite.train]
     assert [t.model_dump() for t in rebuilt.heldout] == [t.model_dump() for t in suite.heldout]
-    other = synthetic_suite(seed=1)
+    other = synthetic_suite(FUNCTION_SPLIT.model_copy(update={"seed": 1}))
     assert {t.task_id for t in other.heldout} != {t.task_id for t in suite.heldout}
     train_ids, held_ids = {t.task_id for t in suite.train}, {t.task_id for t in suite.heldout}
     assert train_ids.isdisjoint(held_ids) and len(train_ids) == len(suite.train)
@@ -139,6 +142,21 @@ def test_synthetic_splits_are_deterministic_and_disjoint(suite):
         src = programs[task.task_id].src
         cases = {json.dumps(c.args[0]): c.expected for c in task.visible + task.hidden}
         assert (src, json.dumps([cases[json.dumps(x)] for x in PROBES[src]])) not in train_outputs
+
+
+def test_instance_split_holds_out_fresh_draws_of_known_functions(suite):
+    """``split="instances"``: training has every function; each held-out task is one of them with
+    examples (and random hidden tests) of its own, which neither the train draw shows."""
+    config = SuiteConfig(seed=0, tiers=(1, 2, 3))
+    instances = synthetic_suite(config)
+    train = {t.task_id: t for t in instances.train}
+    assert {t.task_id for t in instances.heldout} == {t.task_id for t in suite.heldout}  # same functions held out
+    assert len(train) == len(suite.train) + len(suite.heldout)
+    for task in instances.heldout:
+        seen = train[task.task_id]
+        assert task.reference == seen.reference
+        assert {json.dumps(c.args) for c in task.visible}.isdisjoint({json.dumps(c.args) for c in seen.visible})
+    assert synthetic_suite(config.model_copy(update={"n_visible": 4})).heldout[0].visible.__len__() == 4
 
 
 def test_synthetic_tiers_are_ordered_and_short(suite):

@@ -80,7 +80,7 @@ def run(tmp_path_factory):
 def test_ray_run_completes_and_writes_outputs(run):
     result, _ = run
     assert result.final["backend"] == "ray"
-    check_outputs(result, steps=3, eval_steps=[3])
+    check_outputs(result, steps=3, eval_steps=[0, 3])
     assert not ray.is_initialized()  # the private instance was shut down
 
 

@@ -8,18 +8,18 @@ import json
 import numpy as np
 import pytest
 
-from hetrl.envs.tasks_synthetic import split_programs
+from hetrl.envs.tasks_synthetic import synthetic_suite
 from hetrl.models.config import ModelConfig
 from hetrl.models.hf_io import check_state_dict, load_state_dict
 from hetrl.warmstart.config import WarmstartConfig
 from hetrl.warmstart.train import RESULT_FILE, training_tasks
 
 SMALL = {
-    "tiers": [1], "max_per_tier": 20,
+    "suite": {"tiers": [1], "max_per_tier": 20},
     "model": {"vocab_size": 320, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
               "num_attention_heads": 2, "num_key_value_heads": 1},
     "training": {"steps": 40, "batch_size": 8, "seq_len": 128, "variants": 2, "warmup_steps": 5, "learning_rate": 3e-3},
-    "eval": {"tasks": 4, "max_new_tokens": 24},
+    "eval": {"tasks": 4, "samples": 2, "max_new_tokens": 24},
 }
 
 
@@ -54,12 +54,18 @@ def test_sft_loss_is_the_masked_mean_cross_entropy():
     assert float(accuracy) == pytest.approx(float((logits.argmax(-1) == target)[mask].mean()))
 
 
-def test_training_transcripts_never_show_a_heldout_function():
-    c = WarmstartConfig.model_validate({**SMALL, "tiers": [1, 2], "max_per_tier": 60, "training": {"variants": 3}})
+@pytest.mark.parametrize("split", ["functions", "instances"])
+def test_training_transcripts_never_show_a_heldout_task(split):
+    c = WarmstartConfig.model_validate({**SMALL, "suite": {"tiers": [1, 2], "max_per_tier": 60, "split": split},
+                                        "training": {"variants": 3}})
     tasks = training_tasks(c)
-    _, heldout = split_programs(c.seed, c.tiers, c.heldout_fraction, c.max_per_tier)
-    held_ids = {f"syn-t{len(p.ops)}-{p.key}" for p in heldout}
-    assert held_ids and not held_ids & {t.task_id for t in tasks}
+    heldout = synthetic_suite(c.suite).heldout
+    assert heldout
+    if split == "functions":
+        assert not {t.task_id for t in heldout} & {t.task_id for t in tasks}
+    else:  # every function is trained on, never with a held-out task's examples
+        assert {t.task_id for t in heldout} <= {t.task_id for t in tasks}
+        assert not {t.prompt for t in heldout} & {t.prompt for t in tasks}
     # each train function appears with `variants` different example draws
     by_id: dict[str, set] = {}
     for t in tasks:
@@ -81,9 +87,7 @@ def warm(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("warm") / "ckpt"
     args = ["warmstart", "--out", str(out), "--no-progress"]
-    for key, value in (("tiers", "[1]"), ("max_per_tier", "20")):
-        args += ["--set", f"{key}={value}"]
-    for section in ("model", "training", "eval"):
+    for section in ("suite", "model", "training", "eval"):
         for key, value in SMALL[section].items():
             args += ["--set", f"{section}.{key}={value}"]
     assert main(args) == 0
@@ -100,9 +104,9 @@ def test_warmstart_writes_a_loadable_hf_checkpoint_and_learns(warm):
     curve = result["curve"]
     assert curve[-1]["step"] == SMALL["training"]["steps"]
     assert curve[-1]["loss"] < 0.7 * curve[0]["loss"]  # it learned something: random init is ~log(V)
-    for mode in ("sampled", "greedy"):
+    for mode, episodes in (("sampled", 4 * 2), ("greedy", 4)):
         scores = result["eval"][mode]
-        assert scores["tasks"] == 4 and 0.0 <= scores["success"] <= 1.0 and 0.0 <= scores["reward"] <= 1.0
+        assert scores["tasks"] == episodes and 0.0 <= scores["success"] <= 1.0 and 0.0 <= scores["reward"] <= 1.0
 
 
 def test_run_config_builds_the_warm_start_once(warm, tmp_path):

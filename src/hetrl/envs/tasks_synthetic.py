@@ -10,8 +10,19 @@ of composed operations. What the generator guarantees:
 * every task is a distinct *function*: programs are deduplicated by their outputs on fixed probe
   inputs (so "sort then sort" never appears next to "sort"), identity and constant functions are
   dropped, and a program's tier is the fewest operations that express it;
-* train and held-out splits are disjoint sets of functions, split per tier; since the hidden tests
-  include the probe inputs, no reference of one task passes all hidden tests of another;
+* two kinds of held-out split (:class:`SuiteConfig.split`), both per tier:
+
+  - ``"instances"`` (the default): held-out tasks are *fresh instances* -- new visible examples
+    and hidden-test draws -- of a sample of the suite's functions; training sees every function,
+    but never these draws. It measures how well the policy reads examples and picks the function
+    among the ones it knows (what a tiny model trained for minutes can learn, and what RL
+    sharpens);
+  - ``"functions"``: held-out tasks are *unseen functions* (train and held-out are disjoint sets
+    of functions). It measures compositional generalization, which tiny models trained for
+    minutes barely show (about 1% success); report it as such.
+
+  Since the hidden tests include the probe inputs, no reference of one task passes all hidden
+  tests of another;
 * every operation is total (``max``/``min`` of an empty list are 0, ``first`` is ``sum(xs[:1])``),
   so a task's inputs are unconstrained and two programs with equal outputs on the probes are the
   same function there; the visible examples (in the prompt) and the hidden tests are distinct
@@ -30,9 +41,10 @@ import hashlib
 import itertools
 import json
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
 
 from hetrl.envs.coding import FunctionCase, FunctionTask
 
@@ -218,7 +230,7 @@ def make_task(program: Program, seed: int, n_visible: int = 3, n_hidden: int = 8
 
 @dataclass(frozen=True)
 class SyntheticSuite:
-    """Train and held-out tasks (disjoint functions), each sorted by tier then id."""
+    """Train and held-out tasks, each sorted by tier then id."""
 
     train: tuple[FunctionTask, ...]
     heldout: tuple[FunctionTask, ...]
@@ -227,15 +239,39 @@ class SyntheticSuite:
         return tuple(t for t in getattr(self, split) if t.tier == tier)
 
 
+class SuiteConfig(BaseModel):
+    """Everything that determines a suite: ``seed`` (which functions are held out and the example
+    draws), ``tiers``, ``max_per_tier`` distinct functions per tier (None: all),
+    ``heldout_fraction`` of them held out, the ``split`` kind (module docstring) and
+    ``n_visible`` examples in a prompt."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    seed: int = Field(0, ge=0)
+    tiers: tuple[int, ...] = (1, 2)
+    heldout_fraction: float = Field(0.3, gt=0, lt=1)
+    max_per_tier: int | None = Field(200, ge=1)
+    split: Literal["instances", "functions"] = "instances"
+    n_visible: int = Field(3, ge=1, le=8)
+    n_hidden: int = Field(8, ge=1)
+
+
+def heldout_draw(seed: int) -> int:
+    """The example-draw seed of held-out instances of suite ``seed``: negative, so it never equals
+    a train draw (train draws are ``>= 0``: the suite's ``seed``, and a warm start's
+    ``seed·10⁶ + 1 + v``)."""
+    return -(seed + 1)
+
+
 def split_programs(seed: int = 0, tiers: tuple[int, ...] = (1, 2, 3), heldout_fraction: float = 0.2,
                    max_per_tier: int | None = 400) -> tuple[tuple[Program, ...], tuple[Program, ...]]:
-    """``(train, heldout)`` programs for ``seed``: per tier, the distinct functions are shuffled by
+    """``(rest, heldout)`` programs for ``seed``: per tier, the distinct functions are shuffled by
     ``seed``, at most ``max_per_tier`` kept, and the first ``heldout_fraction`` of them (at least
     one) held out. The two sets are disjoint functions."""
     if not 0 < heldout_fraction < 1:
         raise ValueError("heldout_fraction must be in (0, 1)")
     by_tier = programs_by_tier(max(tiers))
-    train: list[Program] = []
+    rest: list[Program] = []
     heldout: list[Program] = []
     for tier in sorted(tiers):
         programs = list(by_tier[tier])
@@ -243,19 +279,32 @@ def split_programs(seed: int = 0, tiers: tuple[int, ...] = (1, 2, 3), heldout_fr
         chosen = [programs[i] for i in order[: max_per_tier or len(programs)]]
         n_held = max(1, int(round(heldout_fraction * len(chosen))))
         heldout += chosen[:n_held]
-        train += chosen[n_held:]
-    return tuple(train), tuple(heldout)
+        rest += chosen[n_held:]
+    return tuple(rest), tuple(heldout)
+
+
+def suite_programs(config: SuiteConfig) -> tuple[tuple[Program, ...], tuple[Program, ...]]:
+    """``(train, heldout)`` programs of ``config``: with ``split="functions"`` disjoint (those of
+    :func:`split_programs`); with ``"instances"`` training has every function, the held-out ones
+    included (their held-out draws stay unseen)."""
+    rest, heldout = split_programs(config.seed, config.tiers, config.heldout_fraction, config.max_per_tier)
+    return (rest if config.split == "functions" else rest + heldout), heldout
+
+
+def suite_task(program: Program, config: SuiteConfig, draw: int) -> FunctionTask:
+    """The task of ``program`` with example draw ``draw`` in ``config``'s format."""
+    return make_task(program, draw, config.n_visible, config.n_hidden)
 
 
 @functools.lru_cache(maxsize=8)
-def synthetic_suite(seed: int = 0, tiers: tuple[int, ...] = (1, 2, 3), heldout_fraction: float = 0.2,
-                    max_per_tier: int | None = 400, n_visible: int = 3, n_hidden: int = 8) -> SyntheticSuite:
-    """The suite for ``seed``: the programs of :func:`split_programs`, one task each (examples
-    drawn with ``seed``)."""
-    train, heldout = split_programs(seed, tiers, heldout_fraction, max_per_tier)
+def synthetic_suite(config: SuiteConfig = SuiteConfig()) -> SyntheticSuite:
+    """The suite of ``config``: one train task per train program (draw ``config.seed``) and one
+    held-out task per held-out program (draw ``config.seed`` for ``split="functions"``,
+    :func:`heldout_draw` for ``"instances"``)."""
+    train, heldout = suite_programs(config)
+    held_seed = config.seed if config.split == "functions" else heldout_draw(config.seed)
 
-    def tasks(programs: tuple[Program, ...]) -> tuple[FunctionTask, ...]:
-        made = [make_task(p, seed, n_visible, n_hidden) for p in programs]
-        return tuple(sorted(made, key=lambda t: (t.tier, t.task_id)))
+    def tasks(programs: tuple[Program, ...], draw: int) -> tuple[FunctionTask, ...]:
+        return tuple(sorted((suite_task(p, config, draw) for p in programs), key=lambda t: (t.tier, t.task_id)))
 
-    return SyntheticSuite(train=tasks(train), heldout=tasks(heldout))
+    return SyntheticSuite(train=tasks(train, config.seed), heldout=tasks(heldout, held_seed))

@@ -55,11 +55,14 @@ def default_corpus(seed: int = 0, lines: int = 2000) -> list[str]:
 
 
 def train_tokenizer(vocab_size: int, corpus: Iterable[str]):
-    """A byte-level BPE ``tokenizers.Tokenizer`` with the special tokens at ids 0, 1, 2."""
+    """A byte-level BPE ``tokenizers.Tokenizer`` with the special tokens at ids 0, 1, 2. Digits
+    are split one per token before BPE (as in Qwen's and Llama's tokenizers), so a number is read
+    the same way wherever it stands: what lets a tiny model compare and compute numbers."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)

@@ -71,7 +71,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from hetrl.config import ConfigError, RunConfig
 from hetrl.core.admission import RolloutGate
@@ -80,7 +80,7 @@ from hetrl.core.schema import RolloutBatch, SamplingParams, collate
 from hetrl.envs.base import ChatFormat, Task
 from hetrl.envs.coding import CodingEnv, CodingEnvConfig
 from hetrl.envs.sandbox import Sandbox
-from hetrl.envs.tasks_synthetic import synthetic_suite
+from hetrl.envs.tasks_synthetic import SuiteConfig, synthetic_suite
 from hetrl.models.config import ModelConfig
 from hetrl.orchestrator.episodes import EpisodeRunner
 from hetrl.orchestrator.evaluation import evaluate_tasks
@@ -92,7 +92,7 @@ from hetrl.samplers.profiles import SamplerNumerics, sampler_numerics
 if TYPE_CHECKING:
     from hetrl.trainer_jax.config import JaxTrainerConfig
 
-__all__ = ["SuiteOptions", "EvalOptions", "SyntheticEnvOptions", "TrainerHandle", "AsyncOrchestrator", "RunResult",
+__all__ = ["EvalOptions", "SyntheticEnvOptions", "TrainerHandle", "AsyncOrchestrator", "RunResult",
            "SamplerWrapper", "Retracted", "build_embedded_sampler", "build_jax_trainer", "SAMPLER_BATCH", "write_atomic"]
 
 SamplerWrapper = Callable[[PoolConfig, int, Sampler], Sampler]
@@ -102,35 +102,34 @@ SAMPLER_BATCH = 16
 """Rows of every embedded generate call (fewer are padded): one compiled batch shape."""
 
 
-class SuiteOptions(BaseModel):
-    """Arguments of :func:`synthetic_suite` (``seed`` None: the run's seed)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    seed: int | None = None
-    tiers: tuple[int, ...] = (1, 2, 3)
-    heldout_fraction: float = 0.2
-    max_per_tier: int | None = 400
-
-
 class EvalOptions(BaseModel):
-    """Held-out evaluation: every ``every`` steps (0: never; the last step is always evaluated
-    when enabled) on the first ``tasks`` held-out tasks, ``greedy`` or at temperature 1."""
+    """Held-out evaluation: before the first step and every ``every`` steps (0: never; the last
+    step is always evaluated when enabled) on the first ``tasks`` held-out tasks (None: all),
+    ``greedy``, or at temperature 1 with ``samples`` episodes per task (the success rate is then
+    the mean over ``tasks x samples`` episodes: a lower-variance estimate)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     every: int = Field(10, ge=0)
-    tasks: int = Field(16, ge=1)
+    tasks: int | None = Field(16, ge=1)
     greedy: bool = True
+    samples: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _samples_need_sampling(self) -> "EvalOptions":
+        if self.greedy and self.samples > 1:
+            raise ValueError("samples > 1 needs greedy: false (greedy episodes are all the same)")
+        return self
 
 
 class SyntheticEnvOptions(BaseModel):
-    """``environment.options`` of ``name: synthetic``: ``suite``, ``eval`` and ``coding`` (the
-    :class:`CodingEnvConfig`, e.g. ``max_turns``)."""
+    """``environment.options`` of ``name: synthetic``: ``suite`` (None: the warm start's suite
+    when the model is a warm start, else the default suite with the run's seed), ``eval`` and
+    ``coding`` (the :class:`CodingEnvConfig`, e.g. ``max_turns``)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    suite: SuiteOptions = SuiteOptions()
+    suite: SuiteConfig | None = None
     eval: EvalOptions = EvalOptions()
     coding: CodingEnvConfig = CodingEnvConfig()
 
@@ -275,8 +274,8 @@ class AsyncOrchestrator(abc.ABC):
             max_length=self.model_config.max_position_embeddings, vocab_size=self.model_config.vocab_size,
             stop_token_ids=stops,
         )
-        s = self.options.suite
-        suite = synthetic_suite(cfg.seed if s.seed is None else s.seed, tuple(s.tiers), s.heldout_fraction, s.max_per_tier)
+        suite = synthetic_suite(self.options.suite or (cfg.model.warmstart.suite if cfg.model.warmstart
+                                                       else SuiteConfig(seed=cfg.seed)))
         self.train_tasks = suite.train
         self.eval_tasks = suite.heldout[: self.options.eval.tasks]
 
@@ -434,8 +433,9 @@ class AsyncOrchestrator(abc.ABC):
         docstring), by :func:`hetrl.orchestrator.evaluation.evaluate_tasks`."""
         assert self._eval_sampler is not None
         self._eval_sampler.update_weights(self.trainer.version, weights)
-        sampling = SamplingParams(temperature=1.0, top_k=1) if self.options.eval.greedy else SamplingParams(temperature=1.0)
-        scores = evaluate_tasks(self.runner, self._eval_sampler, self.eval_tasks, sampling,
+        e = self.options.eval
+        sampling = SamplingParams(temperature=1.0, top_k=1) if e.greedy else SamplingParams(temperature=1.0)
+        scores = evaluate_tasks(self.runner, self._eval_sampler, list(self.eval_tasks) * e.samples, sampling,
                                 prefix=f"eval{self.trainer.version}", batch=SAMPLER_BATCH)
         return {f"eval/{k}": v for k, v in scores.items()}
 
@@ -473,16 +473,19 @@ class AsyncOrchestrator(abc.ABC):
         self._turns: list[int] = []
         self.result_submitted: list[str] = []
         self.result_received: list[str] = []
+        eval_every = self.options.eval.every
         trained: list[tuple[str, str, int, int]] = []
         history: list[dict[str, Any]] = []
         writer = MetricsWriter(self.metrics_path, self.tensorboard_dir)
+        if eval_every and self.trainer.version == 0:  # the starting policy's score, to compare the run's with
+            history.append({"step": 0, **self._evaluate(self.trainer.export_hf_weights())})
+            writer.write(history[-1])
         threads = [threading.Thread(target=self._worker, args=(r,), name=f"worker-{r.key}", daemon=True)
                    for r in self.fleet.replicas]
         self._top_up()
         for t in threads:
             t.start()
         a = cfg.async_
-        eval_every = self.options.eval.every
         max_stale_seen = -1
         last_time, last_gen_tokens = time.monotonic(), 0.0
         try:

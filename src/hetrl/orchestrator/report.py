@@ -148,12 +148,15 @@ def summary_lines(history: Sequence[Mapping[str, Any]], final: Mapping[str, Any]
     """A few lines: steps, wall time, reward first/last, held-out, mismatch, staleness, buffer."""
     if not history:
         return ["no training step completed"]
-    first, last = history[0], history[-1]
+    steps = [r for r in history if "reward/mean" in r] or list(history)  # without the step-0 evaluation
+    first, last = steps[0], steps[-1]
     evals = [r for r in history if "eval/success" in r]
+    held = (f"start {_fmt(evals[0]['eval/success'])} (step {evals[0]['step']})  end {_fmt(evals[-1]['eval/success'])} "
+            f"(step {evals[-1]['step']})" if evals else "-")
     lines = [
         f"steps: {last['step']}  wall: {final['wall_s']:.1f}s  trainer version: {final['version']}",
         f"reward: first {_fmt(first.get('reward/mean'))}  last {_fmt(last.get('reward/mean'))}",
-        f"held-out success: {_fmt(evals[-1]['eval/success']) if evals else '-'} ({len(evals)} evaluations)",
+        f"held-out success: {held} ({len(evals)} evaluations)",
         f"KL k3: last {_fmt(last.get('mismatch/k3'), '.2e')}  staleness max over run: {final['max_staleness']}",
         f"groups: trained {final['groups_trained']}  dropped {final['groups_dropped']}  "
         f"rejected rollouts {final['rollouts_rejected']}  requeued jobs {final['requeues']}",

@@ -1,9 +1,10 @@
 """Configuration of a warm start (pydantic, framework-free): which tasks, which model, how long.
 
 A warm start trains a tiny Qwen3 from scratch on (task prompt, reference answer) transcripts of
-the synthetic suite's TRAIN functions (:func:`hetrl.envs.tasks_synthetic.split_programs`), each
+the synthetic suite's train functions (:func:`hetrl.envs.tasks_synthetic.suite_programs`), each
 function shown with ``variants`` different example draws, so the model must read the examples
-rather than memorize a prompt; held-out functions are never seen. :meth:`WarmstartConfig.key`
+rather than memorize a prompt; held-out draws (and, with ``suite.split="functions"``, held-out
+functions) are never seen. :meth:`WarmstartConfig.key`
 names the result, so a run config can ask for "the warm start with these settings" and build it
 once.
 """
@@ -14,6 +15,8 @@ import hashlib
 import json
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from hetrl.envs.tasks_synthetic import SuiteConfig
 
 __all__ = ["WarmstartModel", "WarmstartTraining", "WarmstartEval", "WarmstartConfig"]
 
@@ -44,34 +47,33 @@ class WarmstartTraining(_Frozen):
     """SFT schedule: ``steps`` AdamW steps of ``batch_size`` transcripts drawn uniformly with
     replacement, sequences padded to ``seq_len``; warmup then cosine decay to 10%."""
 
-    steps: int = Field(800, ge=1)
+    steps: int = Field(1500, ge=1)
     batch_size: int = Field(32, ge=1)
-    seq_len: int = Field(160, ge=16)
+    seq_len: int = Field(144, ge=16)
     learning_rate: float = Field(2e-3, gt=0)
     warmup_steps: int = Field(50, ge=0)
     weight_decay: float = Field(0.01, ge=0)
-    variants: int = Field(20, ge=1, description="example draws per train function")
+    variants: int = Field(100, ge=1, description="example draws per train function")
 
 
 class WarmstartEval(_Frozen):
-    """Held-out evaluation after training: ``tasks`` held-out tasks (None: all), one episode each
-    of up to ``max_turns`` turns, sampled at ``temperature`` (and greedily)."""
+    """Held-out evaluation after training: ``tasks`` held-out tasks (None: all), ``samples``
+    episodes each sampled at ``temperature`` (and one greedily), of up to ``max_turns`` turns."""
 
     tasks: int | None = Field(None, ge=1)
+    samples: int = Field(4, ge=1)
     temperature: float = Field(1.0, gt=0)
     max_new_tokens: int = Field(64, ge=8)
     max_turns: int = Field(1, ge=1)
 
 
 class WarmstartConfig(_Frozen):
-    """Everything that determines a warm start. ``seed`` fixes the split, the example draws, the
-    initialization and the batch order; ``tiers``/``heldout_fraction``/``max_per_tier`` are the
-    suite's (they must match the RL run's suite for the held-out split to be the same)."""
+    """Everything that determines a warm start. ``seed`` fixes the initialization and the batch
+    order; ``suite`` the tasks, their example draws and the held-out split (the RL run that starts
+    from this model evaluates on the same suite by default)."""
 
     seed: int = Field(0, ge=0)
-    tiers: tuple[int, ...] = (1, 2, 3)
-    heldout_fraction: float = Field(0.2, gt=0, lt=1)
-    max_per_tier: int | None = 400
+    suite: SuiteConfig = SuiteConfig()
     model: WarmstartModel = WarmstartModel()
     training: WarmstartTraining = WarmstartTraining()
     eval: WarmstartEval = WarmstartEval()

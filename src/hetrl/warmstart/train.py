@@ -2,11 +2,12 @@
 
 Pipeline for a :class:`~hetrl.warmstart.config.WarmstartConfig` ``c``:
 
-1. **transcripts**: for every train function of the suite (``c.seed``, ``c.tiers``) and
-   ``v < c.training.variants``, the task :func:`make_task` (function, seed ``c.seed·10⁶ + 1 + v``)
-   -- same function, fresh visible examples and hidden tests -- as the chat the coding
-   environment shows (:meth:`CodingEnv.reset`), answered by its reference solution and
-   ``<|im_end|>``. Held-out functions never appear.
+1. **transcripts**: for every train function of the suite ``c.suite`` and
+   ``v < c.training.variants``, the task :func:`suite_task` (function, draw
+   ``c.suite.seed·10⁶ + 1 + v``) -- same function, fresh visible examples and hidden tests -- as
+   the chat the coding environment shows (:meth:`CodingEnv.reset`), answered by its reference
+   solution and ``<|im_end|>``. Held-out draws (and held-out functions, if the split is by
+   function) never appear.
 2. **tokenizer**: byte-level BPE of ``c.model.vocab_size`` trained on those transcripts
    (:func:`hetrl.models.tiny.train_tokenizer`); the chat format is the environment's
    (:class:`~hetrl.envs.base.ChatFormat`).
@@ -34,7 +35,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from hetrl.envs.base import ChatFormat
 from hetrl.envs.coding import CodingEnv, CodingEnvConfig, FunctionTask
-from hetrl.envs.tasks_synthetic import make_task, split_programs, synthetic_suite
+from hetrl.envs.tasks_synthetic import suite_programs, suite_task, synthetic_suite
 from hetrl.models.config import ModelConfig
 from hetrl.models.tiny import SPECIAL_TOKENS, TINY_QWEN3, save_checkpoint, train_tokenizer
 from hetrl.warmstart.config import WarmstartConfig
@@ -59,9 +60,9 @@ def model_config(c: WarmstartConfig) -> ModelConfig:
 
 def training_tasks(c: WarmstartConfig) -> list[FunctionTask]:
     """Every train function x ``c.training.variants`` example draws (see the module docstring)."""
-    train, _ = split_programs(c.seed, c.tiers, c.heldout_fraction, c.max_per_tier)
-    base = c.seed * 1_000_000 + 1
-    return [make_task(p, base + v) for v in range(c.training.variants) for p in train]
+    train, _ = suite_programs(c.suite)
+    base = c.suite.seed * 1_000_000 + 1
+    return [suite_task(p, c.suite, base + v) for v in range(c.training.variants) for p in train]
 
 
 def run_warmstart(c: WarmstartConfig, out_dir: str | pathlib.Path, *, console: bool = True) -> dict[str, Any]:
@@ -138,7 +139,7 @@ def run_warmstart(c: WarmstartConfig, out_dir: str | pathlib.Path, *, console: b
 
 def evaluate_checkpoint(directory: str | pathlib.Path, c: WarmstartConfig) -> dict[str, dict[str, float]]:
     """Held-out scores of the checkpoint at ``directory`` on ``c``'s suite: ``{"sampled":
-    ..., "greedy": ...}`` (see :func:`hetrl.orchestrator.evaluation.evaluate_tasks`)."""
+    ... (over ``c.eval.samples`` episodes per task), "greedy": ...}`` (see :func:`hetrl.orchestrator.evaluation.evaluate_tasks`)."""
     from tokenizers import Tokenizer
 
     from hetrl.core.schema import SamplingParams
@@ -156,10 +157,11 @@ def evaluate_checkpoint(directory: str | pathlib.Path, c: WarmstartConfig) -> di
                            lambda: CodingEnv(env_config), max_new_tokens=c.eval.max_new_tokens,
                            max_length=config.max_position_embeddings, vocab_size=config.vocab_size,
                            stop_token_ids=(chat.im_end_id,))
-    heldout = synthetic_suite(c.seed, c.tiers, c.heldout_fraction, c.max_per_tier).heldout[: c.eval.tasks]
+    heldout = synthetic_suite(c.suite).heldout[: c.eval.tasks]
     sampler = EmbeddedSampler.from_checkpoint(directory, sampler_numerics("fp32"), pool="eval", seed=c.seed,
                                               max_batch=32, batch_buckets=(32,))
     return {
-        "sampled": evaluate_tasks(runner, sampler, heldout, SamplingParams(temperature=c.eval.temperature)),
+        "sampled": evaluate_tasks(runner, sampler, list(heldout) * c.eval.samples,
+                                  SamplingParams(temperature=c.eval.temperature)),
         "greedy": evaluate_tasks(runner, sampler, heldout, SamplingParams(temperature=1.0, top_k=1)),
     }
