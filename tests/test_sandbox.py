@@ -100,7 +100,9 @@ def test_infinite_loop_is_killed_at_the_cpu_limit():
     box = Sandbox(LIMITS.model_copy(update={"wall_s": 20}))  # a generous wall limit: CPU must act
     res = box.run("while True:\n    pass")
     assert res.killed_reason == "cpu_time" and res.returncode != 0
-    assert LIMITS.cpu_limit_s - 0.1 <= res.cpu_s <= LIMITS.cpu_limit_s + 1.1 and res.wall_s < 20
+    # the kernel checks RLIMIT_CPU against the scheduler's exact runtime, while rusage's user+sys
+    # time is tick-sampled: on a loaded machine it reads up to ~15% low (0.89 s seen for a 1 s limit)
+    assert 0.75 * LIMITS.cpu_limit_s <= res.cpu_s <= LIMITS.cpu_limit_s + 1.1 and res.wall_s < 20
 
 
 def test_sleeper_is_killed_at_the_wall_limit(box):

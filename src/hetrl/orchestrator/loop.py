@@ -105,8 +105,9 @@ SAMPLER_BATCH = 16
 class EvalOptions(BaseModel):
     """Held-out evaluation: before the first step and every ``every`` steps (0: never; the last
     step is always evaluated when enabled) on the first ``tasks`` held-out tasks (None: all),
-    ``greedy``, or at temperature 1 with ``samples`` episodes per task (the success rate is then
-    the mean over ``tasks x samples`` episodes: a lower-variance estimate)."""
+    ``greedy``, or with the rollouts' own sampling parameters (``async.sampling``: the policy as
+    it is sampled for training, truncation included) and ``samples`` episodes per task (the
+    success rate is then the mean over ``tasks x samples`` episodes: a lower-variance estimate)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -434,7 +435,7 @@ class AsyncOrchestrator(abc.ABC):
         assert self._eval_sampler is not None
         self._eval_sampler.update_weights(self.trainer.version, weights)
         e = self.options.eval
-        sampling = SamplingParams(temperature=1.0, top_k=1) if e.greedy else SamplingParams(temperature=1.0)
+        sampling = SamplingParams(temperature=1.0, top_k=1) if e.greedy else self.config.async_.sampling
         scores = evaluate_tasks(self.runner, self._eval_sampler, list(self.eval_tasks) * e.samples, sampling,
                                 prefix=f"eval{self.trainer.version}", batch=SAMPLER_BATCH)
         return {f"eval/{k}": v for k, v in scores.items()}
