@@ -139,6 +139,11 @@ def test_bad_overrides(override, message):
     ("model.path=/x", "model: Value error, set exactly one of 'tiny'"),
     ("fleet.pools[1].name=b200-nvfp4", "fleet.pools: Value error, pool names must be unique"),
     ("loging.every=2", "loging: Extra inputs are not permitted"),
+    ("steps=many", "steps: Input should be a valid integer"),
+    ("fleet.pools=5", "fleet.pools: Input should be a valid tuple"),
+    ("logging.console=maybe", "logging.console: Input should be a valid boolean"),
+    ("fleet.max_batch=0", "fleet.max_batch: Input should be greater than or equal to 1"),
+    ("model=null", "model: Input should be a valid dictionary"),
 ])
 def test_a_bad_value_fails_naming_the_dotted_key(override, key):
     with pytest.raises(ConfigError) as err:
@@ -152,6 +157,68 @@ def test_missing_file_and_non_map():
         load_config("no_such_config.yaml")
     with pytest.raises(ConfigError, match="must be a map"):
         validate_config([1, 2])
+
+
+@pytest.mark.parametrize("text, message", [
+    ("steps: [1\n", "not valid YAML: while parsing a flow sequence"),
+    ("steps: 5\nseed: 1\nsteps: 50\n", "not valid YAML: found the key 'steps'"),
+    ("fleet: {max_batch: 2, max_batch: 4}\n", "found the key 'max_batch'"),
+    ("", "the config must be a map, got NoneType"),
+    ("- steps: 5\n", "the config must be a map, got list"),
+])
+def test_a_malformed_file_fails_naming_the_file(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value).startswith(f"{path}: ") and message in str(err.value)
+
+
+def test_a_missing_section_and_an_unreadable_file_fail_naming_them(tmp_path):
+    path = tmp_path / "no_model.yaml"
+    path.write_text("fleet: {pools: [{name: a, accelerator: h100}]}\n")
+    with pytest.raises(ConfigError, match="no_model.yaml: invalid config:\n  model: Field required"):
+        load_config(path)
+    (tmp_path / "binary.yaml").write_bytes(b"\xff\xfe steps: 1")
+    with pytest.raises(ConfigError, match="binary.yaml: cannot read the config: 'utf-8' codec"):
+        load_config(tmp_path / "binary.yaml")
+    with pytest.raises(ConfigError, match="cannot read the config: .*Is a directory"):
+        load_config(tmp_path)
+    with pytest.raises(ConfigError, match="override model: value .* found the key 'tiny'"):
+        load_config(path, ["model={tiny: qwen3, tiny: qwen2}"])
+
+
+# ---------------------------------------------------------------------- server endpoints
+@pytest.mark.parametrize("override, key", [
+    ("fleet.pools[1].endpoints[0]=http://h100-sgl-0:30000", "fleet.pools[1].endpoints[0]: Value error, "
+     "'http://h100-sgl-0:30000': plain http to a non-loopback host"),
+    ("fleet.pools[2].endpoints[0]=mi300x-sgl-0:30000", "fleet.pools[2].endpoints[0]: Value error, "
+     "'mi300x-sgl-0:30000' must be an http:// or https:// URL"),
+    ("fleet.pools[0].endpoints[1]=https://b200-sgl-1:3e4", "fleet.pools[0].endpoints[1]: Value error, "
+     "'https://b200-sgl-1:3e4' is not a valid URL"),
+    ("fleet.pools[0].api_key_env=$KEY", "fleet.pools[0].api_key_env: String should match pattern"),
+])
+def test_bad_endpoints_fail_naming_the_endpoint_key(override, key):
+    with pytest.raises(ConfigError) as err:
+        load_config("qwen3_b200_megatron.yaml", [override])
+    assert key in str(err.value) and "qwen3_b200_megatron.yaml" in str(err.value)
+
+
+def test_insecure_http_needs_an_explicit_opt_in_and_loopback_needs_none():
+    c = load_config("qwen3_b200_megatron.yaml", ["fleet.pools[1].endpoints[0]=http://h100-sgl-0:30000",
+                                                  "fleet.pools[1].allow_insecure_http=true",
+                                                  "fleet.pools[2].endpoints[0]=http://127.0.0.1:30000"])
+    assert c.fleet.pools[1].endpoints[0].startswith("http://") and c.fleet.pools[2].endpoints[0].startswith("http://")
+
+
+def test_dry_run_names_the_api_key_variable_never_the_key(capsys, monkeypatch):
+    monkeypatch.setenv("HETRL_SGLANG_API_KEY", "sk-do-not-print-me")
+    assert main(["train", "qwen3_b200_megatron.yaml", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "sk-do-not-print-me" not in out
+    assert {p["api_key_env"] for p in yaml.safe_load(out)["fleet"]["pools"]} == {"HETRL_SGLANG_API_KEY"}
+    pool = load_config("qwen3_b200_megatron.yaml").fleet.pools[0]
+    assert pool.auth_headers() == {"Authorization": "Bearer sk-do-not-print-me"}
 
 
 def test_defaults_are_complete():

@@ -279,6 +279,41 @@ def test_step_result_and_tasks_validate():
                  reference="")
 
 
+_UNITTEST = "import unittest\nclass T(unittest.TestCase):\n    def test_a(self): pass\n"
+_FUNCTION = dict(task_id="fn-x", family="f", prompt="p", entry_point="f", visible=[{"args": [1], "expected": 1}],
+                 hidden=[{"args": [2], "expected": 2}], reference="```python\ndef f(x):\n    return x\n```")
+_REPO = dict(task_id="repo-x", family="f", issue="i", files={"pkg/a.py": "x = 1\n"}, tests={"t.py": _UNITTEST},
+             reference="```python pkg/a.py\nx = 2\n```")
+
+
+@pytest.mark.parametrize("kind, change, message", [
+    (FunctionTask, {"reference": "def f(x): return x"}, "task fn-x: reference must be a fenced ```python block defining f()"),
+    (FunctionTask, {"reference": "```python\ndef g(x):\n    return x\n```"}, "block defining f()"),
+    (FunctionTask, {"reference": "```python\ndef f(x:\n```"}, "task fn-x: reference is not valid Python (line 1"),
+    (FunctionTask, {"entry_point": "f x"}, "entry_point\n  String should match pattern"),
+    (FunctionTask, {"hidden": []}, "hidden\n  Tuple should have at least 1 item"),
+    (FunctionTask, {"visible": [{"args": "abc", "expected": 1}]}, "visible.0.args\n  Input should be a valid tuple"),
+    (FunctionTask, {"hidden": [{"args": [1], "expected": {1, 2}}]}, "hidden.0.expected\n  input was not a valid JSON"),
+    (FunctionTask, {"solution": "x"}, "solution\n  Extra inputs are not permitted"),
+    (RepoTask, {"tests": {"t.py": "import unittest\nclass T(unittest.TestCase:\n"}},
+     "task repo-x: test file t.py is not valid Python (line 2"),
+    (RepoTask, {"tests": {"t.txt": _UNITTEST}}, "task repo-x: test file t.txt must be a .py module"),
+    (RepoTask, {"tests": {"t.py": "x = 1\n"}}, "test file t.py defines no unittest test methods"),
+    (RepoTask, {"hidden_tests": {"pkg/a.py": _UNITTEST}}, "a path is both a source file and a test file"),
+    (RepoTask, {"files": {"a.py": 3}}, "files.`a.py`\n  Input should be a valid string"),
+    (RepoTask, {"reference": "```python\nx = 2\n```"}, "reference must give files as ```python <path> blocks: "
+                                                       "A code block has no file path."),
+    (RepoTask, {"reference": "just do it"}, "blocks: it has none"),
+    (RepoTask, {"reference": "```python t.py\npass\n```"}, "task repo-x: reference edits test files: t.py"),
+])
+def test_a_malformed_task_definition_fails_naming_the_problem(kind, change, message):
+    base = _FUNCTION if kind is FunctionTask else _REPO
+    kind(**base)  # the unchanged definition is valid
+    with pytest.raises(ValueError) as err:
+        kind(**{**base, **change})
+    assert message in str(err.value)
+
+
 def test_chat_format_matches_the_tiny_tokenizer():
     from hetrl.models.tiny import default_corpus, train_tokenizer
 

@@ -92,9 +92,9 @@ def test_fake_sampler_satisfies_the_protocol():
     (dict(name="a", accelerator="v100"), "accelerator", "unknown accelerator kind 'v100'"),
     (dict(name="a b", accelerator="h100"), "name", "must match"),
     (dict(name="a", accelerator="h100", engine="sglang"), "", "one endpoint per replica"),
-    (dict(name="a", accelerator="h100", engine="sglang-jax", endpoints=("http://x",)), "", "serves TPUs"),
-    (dict(name="a", accelerator="tpu-v6e", engine="sglang", endpoints=("http://x",)), "", "use 'sglang-jax'"),
-    (dict(name="a", accelerator="h100", endpoints=("http://x",)), "", "embedded pools take no endpoints"),
+    (dict(name="a", accelerator="h100", engine="sglang-jax", endpoints=("https://x",)), "", "serves TPUs"),
+    (dict(name="a", accelerator="tpu-v6e", engine="sglang", endpoints=("https://x",)), "", "use 'sglang-jax'"),
+    (dict(name="a", accelerator="h100", endpoints=("https://x",)), "", "embedded pools take no endpoints"),
     (dict(name="a", accelerator="h100", replicas=0), "replicas", "greater than or equal to 1"),
     (dict(name="a", accelerator="h100", colour="red"), "colour", "Extra inputs"),
 ])
@@ -106,11 +106,57 @@ def test_pool_config_errors_name_the_field(kwargs, loc, message):
     assert message in str(err.value)
 
 
+def _server(*endpoints: str, **kwargs) -> PoolConfig:
+    return PoolConfig(name="s", accelerator="h100", engine="sglang", replicas=len(endpoints), endpoints=endpoints,
+                      **kwargs)
+
+
+@pytest.mark.parametrize("url, message", [
+    ("http://sgl-0:30000", "plain http to a non-loopback host"),
+    ("http://10.0.0.5:30000", "plain http to a non-loopback host"),
+    ("ftp://sgl-0:30000", "must be an http:// or https:// URL"),
+    ("sgl-0:30000", "must be an http:// or https:// URL"),
+    ("https://:30000", "has no host"),
+    ("https://sgl-0:99999", "is not a valid URL"),
+    ("https://sgl-0:port", "is not a valid URL"),
+    ("https://user:hunter2@sgl-0:30000", "carries credentials"),
+    ("https://sk-token@sgl-0", "carries credentials"),
+    ("https://sgl-0:30000/?key=hunter2", "without query or fragment"),
+])
+def test_bad_endpoints_fail_naming_the_endpoint(url, message):
+    with pytest.raises(ValidationError) as err:
+        _server("https://ok:30000", url)
+    first = err.value.errors()[0]
+    assert first["loc"] == ("endpoints", 1) and message in first["msg"]
+
+
+def test_plain_http_is_for_loopback_unless_allowed():
+    loopback = ("http://localhost:30000", "http://127.0.0.1:30000", "http://127.8.9.10", "http://[::1]:30000")
+    assert _server(*loopback).endpoints == loopback
+    assert _server("http://sgl-0:30000", allow_insecure_http=True).endpoints == ("http://sgl-0:30000",)
+    assert _server("https://sgl-0", "https://[fd00::1]:8443/v1").replicas == 2
+
+
+def test_api_key_is_read_from_the_environment_when_used(monkeypatch):
+    monkeypatch.delenv("HETRL_TEST_KEY", raising=False)
+    pool = _server("https://sgl-0:30000", api_key_env="HETRL_TEST_KEY")
+    assert "HETRL_TEST_KEY" in repr(pool) and _server("https://sgl-0").auth_headers() == {}
+    with pytest.raises(ValueError, match="'HETRL_TEST_KEY', which is not set"):
+        pool.auth_headers()
+    monkeypatch.setenv("HETRL_TEST_KEY", "s3cret")
+    assert pool.auth_headers() == {"Authorization": "Bearer s3cret"}
+    assert "s3cret" not in repr(pool) and "s3cret" not in pool.model_dump_json()
+    with pytest.raises(ValidationError, match="should match pattern"):
+        _server("https://sgl-0", api_key_env="not a name")
+    with pytest.raises(ValidationError, match="embedded pools take no endpoints, api_key_env"):
+        PoolConfig(name="e", accelerator="h100", api_key_env="HETRL_TEST_KEY")
+
+
 def test_pool_numerics_and_overrides():
     p = pool("mi", "mi300x", "fp8_e4m3fnuz", price_per_hour_usd=1.5)
     n = p.numerics()
     assert (n.kind, n.weight_format, n.kv_format, n.cost_per_hour()) == ("mi300x", "fp8_e4m3fnuz", "bf16", 1.5)
-    tpu = PoolConfig(name="t", accelerator="tpu-v6e", engine="sglang-jax", replicas=2, endpoints=("http://a", "http://b"))
+    tpu = PoolConfig(name="t", accelerator="tpu-v6e", engine="sglang-jax", replicas=2, endpoints=("https://a", "https://b"))
     assert tpu.numerics().weight_format == "bf16"
     with pytest.raises(ValidationError, match="repeated: a"):
         FleetConfig(pools=[pool("a", "h100"), pool("a", "a100")])

@@ -4,6 +4,7 @@ Event messages declared with TensorFlow's field numbers, our reader with its CRC
 TensorBoard's own EventAccumulator when the package happens to be installed (it is not a
 dependency)."""
 
+import json
 import math
 import struct
 
@@ -134,6 +135,20 @@ def test_metrics_writer_logs_numeric_entries_beside_the_jsonl(tmp_path):
     assert scalars["loss"] == [(1, 0.5), (2, 0.25)] and scalars["count"] == [(1, 3.0), (2, 4.0)]
     assert len(scalars["gap"]) == 1 and math.isnan(scalars["gap"][0][1])
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_metrics_writer_writes_numpy_values_as_plain_numbers(tmp_path):
+    writer = MetricsWriter(tmp_path / "metrics.jsonl", tmp_path / "tb")
+    writer.write({"step": np.int64(3), "loss": np.float32(0.5), "count": np.int32(7), "flag": np.bool_(True),
+                  "gap": np.float32("nan"), "hist": np.array([1.5, np.inf]), "pools": {"a": np.float16(2.0)}})
+    writer.close()
+    line = (tmp_path / "metrics.jsonl").read_text()
+    assert json.loads(line) == {"step": 3, "loss": 0.5, "count": 7, "flag": True, "gap": None,
+                                "hist": [1.5, None], "pools": {"a": 2.0}}
+    assert "NaN" not in line and "Infinity" not in line  # strict JSON
+    (path,) = (tmp_path / "tb").glob("events.out.tfevents.*")
+    scalars = read_scalars(path)
+    assert set(scalars) == {"loss", "count", "gap"} and scalars["loss"] == [(3, 0.5)]
 
 
 def test_tensorboard_reads_the_file_when_installed(event_file):

@@ -288,6 +288,36 @@ class RunConfig(_Strict):
 
 
 # ====================================================================== loading
+def _check_unique_keys(node: yaml.Node | None, seen_nodes: set[int] | None = None) -> None:
+    """Raise a YAML error at the second occurrence of a scalar key repeated in one map of the
+    composed document ``node`` (plain YAML keeps the last value silently)."""
+    seen_nodes = set() if seen_nodes is None else seen_nodes
+    if node is None or id(node) in seen_nodes:  # aliases share nodes (and may be recursive)
+        return
+    seen_nodes.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        first_marks: dict[tuple[str, str], yaml.Mark] = {}
+        for key, value in node.value:
+            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                first = first_marks.setdefault((key.tag, key.value), key.start_mark)
+                if first is not key.start_mark:
+                    raise yaml.constructor.ConstructorError(
+                        f"found the key {key.value!r}", first,
+                        "and the same key again (a key may appear once per map)", key.start_mark)
+            _check_unique_keys(key, seen_nodes)
+            _check_unique_keys(value, seen_nodes)
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _check_unique_keys(item, seen_nodes)
+
+
+def _load_yaml(text: str) -> Any:
+    """Parse YAML ``text`` safely, refusing a key repeated in one map (so ``steps: 5`` followed
+    later by ``steps: 50`` is an error, not a quiet 50-step run)."""
+    _check_unique_keys(yaml.compose(text, Loader=yaml.SafeLoader))
+    return yaml.safe_load(text)
+
+
 _KEY = r"[^.\[\]=\s]+"
 _PATH = re.compile(rf"{_KEY}(?:\.{_KEY}|\[\d+\])*")
 _TOKEN = re.compile(rf"({_KEY})|\[(\d+)\]")
@@ -316,7 +346,7 @@ def apply_override(data: dict[str, Any], override: str) -> None:
         raise ConfigError(f"override {override!r} must look like key=value")
     parts = _parse_path(key.strip())
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = _load_yaml(raw) if raw.strip() else None
     except yaml.YAMLError as err:
         raise ConfigError(f"override {key}: value {raw!r} is not valid YAML: {err}") from None
     node: Any = data
@@ -385,10 +415,15 @@ def resolve_config_path(name: str | pathlib.Path) -> pathlib.Path:
 
 def load_config(path: str | pathlib.Path, overrides: Sequence[str] = ()) -> RunConfig:
     """Read the YAML config at ``path`` (see :func:`resolve_config_path`), apply ``overrides``
-    in order, validate."""
+    in order, validate. An unreadable file, malformed YAML or a key repeated in one map raises
+    :class:`ConfigError` naming the file (and the line, for YAML errors)."""
     file = resolve_config_path(path)
     try:
-        data = yaml.safe_load(file.read_text())
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{file}: cannot read the config: {err}") from None
+    try:
+        data = _load_yaml(text)
     except yaml.YAMLError as err:
         raise ConfigError(f"{file}: not valid YAML: {err}") from None
     if not isinstance(data, dict):

@@ -62,9 +62,18 @@ class FunctionCase(BaseModel):
     expected: JsonValue
 
 
+def _check_syntax(what: str, source: str) -> None:
+    """Raise ValueError naming ``what`` and the line when ``source`` is not valid Python."""
+    try:
+        ast.parse(source)
+    except SyntaxError as err:
+        raise ValueError(f"{what} is not valid Python (line {err.lineno}: {err.msg})") from None
+
+
 class FunctionTask(Task):
     """Write the function ``entry_point``. ``prompt`` shows the visible cases; the hidden ones are
-    scored. ``reference`` is a correct answer in the expected format (a fenced block)."""
+    scored. ``reference`` is a correct answer in the expected format (a fenced block defining
+    ``entry_point``, valid Python: checked here; its correctness is checked by the tests)."""
 
     prompt: str = Field(min_length=1)
     entry_point: str = Field(pattern=r"^[A-Za-z_]\w*$")
@@ -72,6 +81,15 @@ class FunctionTask(Task):
     hidden: tuple[FunctionCase, ...] = Field(min_length=1)
     reference: str
     tier: int = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _reference_format(self) -> "FunctionTask":
+        code, format_ok = extract_code(self.reference, self.entry_point)
+        if code is None or not format_ok:
+            raise ValueError(f"task {self.task_id}: reference must be a fenced ```python block "
+                             f"defining {self.entry_point}()")
+        _check_syntax(f"task {self.task_id}: reference", code)
+        return self
 
 
 def _check_relpath(path: str) -> str:
@@ -85,7 +103,9 @@ def _check_relpath(path: str) -> str:
 class RepoTask(Task):
     """Make the tests pass in a repository. ``files``: the initial source files (editable);
     ``tests``: visible test files (shown, give feedback); ``hidden_tests``: scored with the
-    visible ones but never shown. Test files are ``unittest`` modules (``.py``)."""
+    visible ones but never shown. Test files are ``unittest`` modules (``.py``, valid Python,
+    with test methods). ``reference`` is a correct answer in the expected format: path-tagged
+    blocks that edit no test file."""
 
     issue: str = Field(min_length=1)
     files: dict[str, str]
@@ -104,10 +124,25 @@ class RepoTask(Task):
     def _test_files(self) -> "RepoTask":
         test_paths = set(self.tests) | set(self.hidden_tests)
         if set(self.tests) & set(self.hidden_tests) or test_paths & set(self.files):
-            raise ValueError("a path is both a source file and a test file, or visible and hidden")
+            raise ValueError(f"task {self.task_id}: a path is both a source file and a test file, "
+                             "or visible and hidden")
         for path, source in {**self.tests, **self.hidden_tests}.items():
-            if not path.endswith(".py") or not unittest_ids(path, source):
-                raise ValueError(f"test file {path} defines no unittest test methods")
+            if not path.endswith(".py"):
+                raise ValueError(f"task {self.task_id}: test file {path} must be a .py module")
+            _check_syntax(f"task {self.task_id}: test file {path}", source)
+            if not unittest_ids(path, source):
+                raise ValueError(f"task {self.task_id}: test file {path} defines no unittest test methods")
+        return self
+
+    @model_validator(mode="after")
+    def _reference_files(self) -> "RepoTask":
+        files, problems = extract_files(self.reference)
+        if problems or not files:
+            raise ValueError(f"task {self.task_id}: reference must give files as ```python <path> blocks: "
+                             + ("; ".join(problems) or "it has none"))
+        edited_tests = sorted(set(files) & (set(self.tests) | set(self.hidden_tests)))
+        if edited_tests:
+            raise ValueError(f"task {self.task_id}: reference edits test files: {', '.join(edited_tests)}")
         return self
 
     @property

@@ -56,12 +56,12 @@ class _Episode:
 @dataclass
 class GroupOutcome:
     """The rollouts of a group's well-formed episodes, one :class:`RolloutError` per episode
-    with a malformed turn (``rejected``) and one message per environment failure (``errors``)."""
+    with a malformed turn (``rejected``), one message per environment failure (``errors``) and,
+    per rollout, whether its episode solved the task (``solved``)."""
 
     rollouts: list[Rollout]
     rejected: list[RolloutError]
     errors: list[str]
-    turns: list[int]
     solved: list[bool]
 
 
@@ -130,14 +130,13 @@ class EpisodeRunner:
             if [g.request_id for g in out] != [r.request_id for r in reqs]:
                 raise RuntimeError(f"group {group_id}: continuation returned generations that do not match its requests")
             gens = {i: g for (i, _), g in zip(nxt, out)}
-        rollouts, turns, solved = [], [], []
+        rollouts, solved = [], []
         for i, ep in enumerate(episodes):
             if not ep.pieces:
                 continue
             rollouts.append(self._rollout(f"{group_id}/{i}", group_id, ep, sampling))
-            turns.append(ep.turns)
             solved.append(ep.solved)
-        return GroupOutcome(rollouts, rejected, errors, turns, solved)
+        return GroupOutcome(rollouts, rejected, errors, solved)
 
     # ------------------------------------------------------------------ internals
     def _check_turn(self, rollout_id: str, context: np.ndarray, g: Generation, sampling: SamplingParams) -> None:

@@ -411,7 +411,6 @@ class AsyncOrchestrator(abc.ABC):
                 self._rollout_spans.setdefault(replica.key, []).append(
                     (int(r.policy_version.min()), int(r.policy_version.max())))
                 self._rewards.append(float(r.reward))
-            self._turns.extend(outcome.turns)
         group = RolloutGroup(spec.group_id, spec.task.task_id, tuple(buffered))
         try:
             accepted = self.buffer.put(group)
@@ -471,7 +470,6 @@ class AsyncOrchestrator(abc.ABC):
         self._rollout_versions: dict[str, list[int]] = {}
         self._rollout_spans: dict[str, list[tuple[int, int]]] = {}
         self._rewards: list[float] = []
-        self._turns: list[int] = []
         self.result_submitted: list[str] = []
         self.result_received: list[str] = []
         eval_every = self.options.eval.every

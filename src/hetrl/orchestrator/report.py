@@ -9,6 +9,7 @@ import numbers
 import pathlib
 from typing import Any, Mapping, Sequence
 
+import numpy as np
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
@@ -18,10 +19,26 @@ from hetrl.orchestrator.tb_events import EventFileWriter
 __all__ = ["MetricsWriter", "LiveDisplay", "write_plots", "summary_lines"]
 
 
+def _plain(value: Any) -> Any:
+    """Numpy scalars and arrays (``np.float32``, ``np.int64``, ``np.bool_``, ...) as plain Python
+    numbers, bools and lists, also inside lists, tuples and maps."""
+    if isinstance(value, (np.generic, np.ndarray)):
+        return value.tolist()
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
 def _clean(value: Any) -> Any:
-    """JSON-safe: non-finite floats become None."""
+    """JSON-safe plain data (:func:`_plain`): non-finite floats become None."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clean(v) for v in value]
     return value
 
 
@@ -38,12 +55,15 @@ class MetricsWriter:
         self._events = EventFileWriter(tensorboard_dir) if tensorboard_dir is not None else None
 
     def write(self, record: Mapping[str, Any]) -> None:
-        self._file.write(json.dumps({k: _clean(v) for k, v in record.items()}, sort_keys=True) + "\n")
+        """Append ``record``; numpy values are written as plain numbers (lists for arrays) and
+        non-finite floats as ``null`` in the JSON line (TensorBoard keeps them)."""
+        plain = _plain(record)
+        self._file.write(json.dumps(_clean(plain), sort_keys=True) + "\n")
         self._file.flush()
         if self._events is not None:
-            scalars = {k: float(v) for k, v in record.items()
+            scalars = {k: float(v) for k, v in plain.items()
                        if k != "step" and isinstance(v, numbers.Real) and not isinstance(v, bool)}
-            self._events.add_scalars(int(record["step"]), scalars)
+            self._events.add_scalars(int(plain["step"]), scalars)
 
     def close(self) -> None:
         self._file.close()

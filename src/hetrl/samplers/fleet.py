@@ -49,35 +49,82 @@ fleet totals under ``fleet/``.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
+import os
 import re
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Mapping, Sequence
+from typing import Annotated, Any, Callable, Literal, Mapping, Sequence
+from urllib.parse import urlsplit
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from hetrl.core.admission import QuarantineConfig
 from hetrl.samplers.base import Generation, GenerationRequest, Sampler
 from hetrl.samplers.profiles import CATALOGUE, SamplerNumerics, get_profile
 
-__all__ = ["Engine", "PoolConfig", "FleetConfig", "Replica", "JobResult", "Fleet", "FleetError", "SamplerFactory"]
+__all__ = ["Engine", "Endpoint", "is_loopback_host", "PoolConfig", "FleetConfig", "Replica", "JobResult", "Fleet",
+           "FleetError", "SamplerFactory"]
 
 Engine = Literal["embedded", "sglang", "sglang-jax"]
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 log = logging.getLogger(__name__)
 
 
+def is_loopback_host(host: str) -> bool:
+    """``localhost``, an IPv4 address in 127.0.0.0/8 or ``::1``."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a DNS name
+        return False
+
+
+def _check_endpoint(url: str, info: ValidationInfo) -> str:
+    """A server base URL: ``http`` or ``https``, a host, a valid port if given; no credentials,
+    query or fragment. Plain ``http`` only to a loopback host unless the pool sets
+    ``allow_insecure_http`` (a field declared before ``endpoints``, so it is in ``info.data``)."""
+    try:
+        parts = urlsplit(url)
+        _ = parts.port  # raises ValueError on a non-numeric or out-of-range port
+    except ValueError as err:
+        raise ValueError(f"{url!r} is not a valid URL: {err}") from None
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"{url!r} must be an http:// or https:// URL")
+    if not parts.hostname:
+        raise ValueError(f"{url!r} has no host")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError(f"{url!r} carries credentials; name an environment variable in api_key_env instead")
+    if parts.query or parts.fragment:
+        raise ValueError(f"{url!r} must be a base URL, without query or fragment")
+    if parts.scheme == "http" and not is_loopback_host(parts.hostname) and not info.data.get("allow_insecure_http"):
+        raise ValueError(f"{url!r}: plain http to a non-loopback host sends prompts, completions and the API key "
+                         "unencrypted; use https, or set allow_insecure_http: true on the pool")
+    return url
+
+
+Endpoint = Annotated[str, AfterValidator(_check_endpoint)]
+"""A server base URL, checked by :func:`_check_endpoint`."""
+
+
 class PoolConfig(BaseModel):
     """One pool of identical replicas. ``weight_precision`` / ``kv_precision`` default to the
     profile's defaults and must be native to ``accelerator``; ``price_per_hour_usd`` and
     ``relative_throughput`` override the profile's (per accelerator). ``endpoints`` (server
-    engines only) lists one server URL per replica; ``sglang-jax`` runs on TPU kinds,
-    ``sglang`` on GPU kinds."""
+    engines only) lists one server base URL per replica; ``sglang-jax`` runs on TPU kinds,
+    ``sglang`` on GPU kinds.
+
+    Security (server engines): ``api_key_env`` names the environment variable that holds the
+    servers' API key, read when a client is built (:meth:`auth_headers`), so the key is never in
+    the config nor in its printed form. Endpoints must be ``https://`` unless their host is
+    loopback (``localhost``, 127.0.0.0/8, ``::1``); ``allow_insecure_http: true`` accepts plain
+    ``http://`` to other hosts (e.g. a trusted private network)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -88,7 +135,10 @@ class PoolConfig(BaseModel):
     kv_precision: str | None = None
     replicas: int = Field(1, ge=1)
     accelerators_per_replica: int = Field(1, ge=1, description="accelerators one replica occupies (cost)")
-    endpoints: tuple[str, ...] = ()
+    api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+                                    description="environment variable holding the servers' API key")
+    allow_insecure_http: bool = Field(False, description="accept plain http:// to non-loopback hosts")
+    endpoints: tuple[Endpoint, ...] = ()
     price_per_hour_usd: float | None = Field(None, ge=0.0, allow_inf_nan=False)
     relative_throughput: float | None = Field(None, gt=0.0, allow_inf_nan=False)
 
@@ -123,8 +173,8 @@ class PoolConfig(BaseModel):
     @model_validator(mode="after")
     def _engine(self) -> "PoolConfig":
         tpu = self.accelerator.startswith("tpu")
-        if self.engine == "embedded" and self.endpoints:
-            raise ValueError(f"pool {self.name!r}: embedded pools take no endpoints")
+        if self.engine == "embedded" and (self.endpoints or self.api_key_env or self.allow_insecure_http):
+            raise ValueError(f"pool {self.name!r}: embedded pools take no endpoints, api_key_env or allow_insecure_http")
         if self.engine != "embedded" and len(self.endpoints) != self.replicas:
             raise ValueError(f"pool {self.name!r}: engine {self.engine!r} needs one endpoint per replica "
                              f"({self.replicas} replicas, {len(self.endpoints)} endpoints)")
@@ -133,6 +183,18 @@ class PoolConfig(BaseModel):
         if self.engine == "sglang" and tpu:
             raise ValueError(f"pool {self.name!r}: engine 'sglang' serves GPUs; use 'sglang-jax' for {self.accelerator!r}")
         return self
+
+    def auth_headers(self) -> dict[str, str]:
+        """HTTP headers authenticating to the pool's servers: ``Authorization: Bearer <key>``
+        with the key read now from the environment variable ``api_key_env`` (none without
+        ``api_key_env``). Raises ValueError naming the variable when it is unset or empty."""
+        if self.api_key_env is None:
+            return {}
+        key = os.environ.get(self.api_key_env)
+        if not key:
+            raise ValueError(f"pool {self.name!r}: api_key_env names the environment variable "
+                             f"{self.api_key_env!r}, which is not set")
+        return {"Authorization": f"Bearer {key}"}
 
     def numerics(self) -> SamplerNumerics:
         """The pool's :class:`SamplerNumerics` (profile with this pool's overrides applied)."""
