@@ -157,6 +157,11 @@ def test_instance_split_holds_out_fresh_draws_of_known_functions(suite):
         assert task.reference == seen.reference
         assert {json.dumps(c.args) for c in task.visible}.isdisjoint({json.dumps(c.args) for c in seen.visible})
     assert synthetic_suite(config.model_copy(update={"n_visible": 4})).heldout[0].visible.__len__() == 4
+    # later passes over the train functions: same functions and order, fresh examples, distinct ids
+    again = instances.train_pass(1)
+    assert instances.train_pass(0) == instances.train
+    assert [t.reference for t in again] == [t.reference for t in instances.train]
+    assert all(a.task_id == f"{t.task_id}@1" and a.visible != t.visible for a, t in zip(again, instances.train))
 
 
 def test_synthetic_tiers_are_ordered_and_short(suite):

@@ -228,17 +228,6 @@ def make_task(program: Program, seed: int, n_visible: int = 3, n_hidden: int = 8
     )
 
 
-@dataclass(frozen=True)
-class SyntheticSuite:
-    """Train and held-out tasks, each sorted by tier then id."""
-
-    train: tuple[FunctionTask, ...]
-    heldout: tuple[FunctionTask, ...]
-
-    def tier(self, tier: int, split: str = "train") -> tuple[FunctionTask, ...]:
-        return tuple(t for t in getattr(self, split) if t.tier == tier)
-
-
 class SuiteConfig(BaseModel):
     """Everything that determines a suite: ``seed`` (which functions are held out and the example
     draws), ``tiers``, ``max_per_tier`` distinct functions per tier (None: all),
@@ -256,10 +245,17 @@ class SuiteConfig(BaseModel):
     n_hidden: int = Field(8, ge=1)
 
 
+def train_draw(seed: int, epoch: int) -> int:
+    """The example-draw seed of pass ``epoch`` (0, 1, ...) over the train functions of suite
+    ``seed``: ``seed·10⁶ + 1 + epoch``. A warm start with ``variants = n`` trains on passes
+    ``0 .. n-1``; an RL run draws pass ``e`` on its ``e``-th pass, so it never sees one instance
+    of a function again and again."""
+    return seed * 1_000_000 + 1 + epoch
+
+
 def heldout_draw(seed: int) -> int:
     """The example-draw seed of held-out instances of suite ``seed``: negative, so it never equals
-    a train draw (train draws are ``>= 0``: the suite's ``seed``, and a warm start's
-    ``seed·10⁶ + 1 + v``)."""
+    a train draw (:func:`train_draw` is positive)."""
     return -(seed + 1)
 
 
@@ -296,15 +292,41 @@ def suite_task(program: Program, config: SuiteConfig, draw: int) -> FunctionTask
     return make_task(program, draw, config.n_visible, config.n_hidden)
 
 
+def _task_order(program: Program) -> tuple[int, str]:
+    return len(program.ops), f"syn-t{len(program.ops)}-{program.key}"
+
+
+@dataclass(frozen=True)
+class SyntheticSuite:
+    """Train and held-out tasks of ``config``, each sorted by tier then id; ``programs`` are the
+    train functions in the order of ``train``."""
+
+    config: SuiteConfig
+    programs: tuple[Program, ...]
+    train: tuple[FunctionTask, ...]
+    heldout: tuple[FunctionTask, ...]
+
+    def tier(self, tier: int, split: str = "train") -> tuple[FunctionTask, ...]:
+        return tuple(t for t in getattr(self, split) if t.tier == tier)
+
+    def train_pass(self, epoch: int) -> tuple[FunctionTask, ...]:
+        """The train tasks of pass ``epoch``: ``train`` for 0, else the same functions with the
+        examples and hidden tests of :func:`train_draw` ``(seed, epoch)``, ids suffixed
+        ``@<epoch>``."""
+        if epoch == 0:
+            return self.train
+        draw = train_draw(self.config.seed, epoch)
+        return tuple(suite_task(p, self.config, draw).model_copy(update={"task_id": f"{t.task_id}@{epoch}"})
+                     for p, t in zip(self.programs, self.train))
+
+
 @functools.lru_cache(maxsize=8)
 def synthetic_suite(config: SuiteConfig = SuiteConfig()) -> SyntheticSuite:
-    """The suite of ``config``: one train task per train program (draw ``config.seed``) and one
-    held-out task per held-out program (draw ``config.seed`` for ``split="functions"``,
-    :func:`heldout_draw` for ``"instances"``)."""
-    train, heldout = suite_programs(config)
-    held_seed = config.seed if config.split == "functions" else heldout_draw(config.seed)
-
-    def tasks(programs: tuple[Program, ...], draw: int) -> tuple[FunctionTask, ...]:
-        return tuple(sorted((suite_task(p, config, draw) for p in programs), key=lambda t: (t.tier, t.task_id)))
-
-    return SyntheticSuite(train=tasks(train, config.seed), heldout=tasks(heldout, held_seed))
+    """The suite of ``config``: one train task per train program (draw :func:`train_draw`
+    ``(seed, 0)``) and one held-out task per held-out program (draw ``train_draw(seed, 0)`` for
+    ``split="functions"``, :func:`heldout_draw` for ``"instances"``)."""
+    train, heldout = (tuple(sorted(ps, key=_task_order)) for ps in suite_programs(config))
+    held_draw = train_draw(config.seed, 0) if config.split == "functions" else heldout_draw(config.seed)
+    return SyntheticSuite(config=config, programs=train,
+                          train=tuple(suite_task(p, config, train_draw(config.seed, 0)) for p in train),
+                          heldout=tuple(suite_task(p, config, held_draw) for p in heldout))

@@ -34,8 +34,9 @@ again as a new group, so it is regenerated on the new weights (counted as
 turns was generated. The turn running when the weights change still runs to its end (the
 embedded engine has no mid-turn cancel), so abort saves the later turns, not that one.
 
-**Feeding and pacing.** Prompts cycle through the train split of the synthetic coding suite,
-reshuffled every epoch by ``seed``. At most ``(max_staleness + 1) * batch_groups`` groups are
+**Feeding and pacing.** Prompts cycle through the train functions of the synthetic coding
+suite, reshuffled every pass by ``seed``, each pass with fresh examples and hidden tests
+(:meth:`SyntheticSuite.train_pass`), so the policy learns to read examples, not one instance. At most ``(max_staleness + 1) * batch_groups`` groups are
 outstanding (submitted and not yet trained or dropped, buffered ones included; a trained batch
 stops counting once its step is published), so no pool gets far ahead of the trainer; with
 ``max_staleness = 0`` this is the synchronous schedule (generate a batch, train on it, publish,
@@ -277,6 +278,7 @@ class AsyncOrchestrator(abc.ABC):
         )
         suite = synthetic_suite(self.options.suite or (cfg.model.warmstart.suite if cfg.model.warmstart
                                                        else SuiteConfig(seed=cfg.seed)))
+        self.suite = suite
         self.train_tasks = suite.train
         self.eval_tasks = suite.heldout[: self.options.eval.tasks]
 
@@ -334,9 +336,14 @@ class AsyncOrchestrator(abc.ABC):
         self.fleet.submit(gid, self.runner.requests(gid, spec.prompt, a.group_size, a.sampling))
 
     def _next_task(self) -> Task:
+        """The next train task: passes over the train functions in a fresh random order, pass
+        ``e`` with the examples of :meth:`SyntheticSuite.train_pass` ``(e)``."""
         if not self._order:
             self._order = list(self._rng.permutation(len(self.train_tasks)))
-        return self.train_tasks[int(self._order.pop(0))]
+            self._pass_tasks = self.suite.train_pass(self._passes)
+            self._passes += 1
+            self._tasks_by_id.update((t.task_id, t) for t in self._pass_tasks)
+        return self._pass_tasks[int(self._order.pop(0))]
 
     def _prompt(self, task: Task) -> np.ndarray:
         if task.task_id not in self._prompts:
@@ -459,6 +466,8 @@ class AsyncOrchestrator(abc.ABC):
         self._prompts: dict[str, np.ndarray] = {}
         self._rng = np.random.default_rng(cfg.seed)
         self._order: list[int] = []
+        self._passes = 0
+        self._pass_tasks: tuple[Task, ...] = ()
         self._next_gid = 0
         self._outstanding = len(self.buffer)
         self._dropped_seen = self._buffer_dropped()

@@ -4,7 +4,7 @@ Pipeline for a :class:`~hetrl.warmstart.config.WarmstartConfig` ``c``:
 
 1. **transcripts**: for every train function of the suite ``c.suite`` and
    ``v < c.training.variants``, the task :func:`suite_task` (function, draw
-   ``c.suite.seed·10⁶ + 1 + v``) -- same function, fresh visible examples and hidden tests -- as
+   :func:`train_draw` ``(c.suite.seed, v)``) -- same function, fresh visible examples and hidden tests -- as
    the chat the coding environment shows (:meth:`CodingEnv.reset`), answered by its reference
    solution and ``<|im_end|>``. Held-out draws (and held-out functions, if the split is by
    function) never appear.
@@ -35,7 +35,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from hetrl.envs.base import ChatFormat
 from hetrl.envs.coding import CodingEnv, CodingEnvConfig, FunctionTask
-from hetrl.envs.tasks_synthetic import suite_programs, suite_task, synthetic_suite
+from hetrl.envs.tasks_synthetic import suite_programs, suite_task, synthetic_suite, train_draw
 from hetrl.models.config import ModelConfig
 from hetrl.models.tiny import SPECIAL_TOKENS, TINY_QWEN3, save_checkpoint, train_tokenizer
 from hetrl.warmstart.config import WarmstartConfig
@@ -61,8 +61,7 @@ def model_config(c: WarmstartConfig) -> ModelConfig:
 def training_tasks(c: WarmstartConfig) -> list[FunctionTask]:
     """Every train function x ``c.training.variants`` example draws (see the module docstring)."""
     train, _ = suite_programs(c.suite)
-    base = c.suite.seed * 1_000_000 + 1
-    return [suite_task(p, c.suite, base + v) for v in range(c.training.variants) for p in train]
+    return [suite_task(p, c.suite, train_draw(c.suite.seed, v)) for v in range(c.training.variants) for p in train]
 
 
 def run_warmstart(c: WarmstartConfig, out_dir: str | pathlib.Path, *, console: bool = True) -> dict[str, Any]:
