@@ -36,9 +36,9 @@ embedded engine has no mid-turn cancel), so abort saves the later turns, not tha
 
 **Feeding and pacing.** Prompts cycle through the train functions of the synthetic coding
 suite, reshuffled every pass by ``seed``, each pass with fresh examples and hidden tests
-(:meth:`SyntheticSuite.train_pass`), so the policy learns to read examples, not one instance. At most ``(max_staleness + 1) * batch_groups`` groups are
-outstanding (submitted and not yet trained or dropped, buffered ones included; a trained batch
-stops counting once its step is published), so no pool gets far ahead of the trainer; with
+(:meth:`SyntheticSuite.train_pass`), so the policy learns to read examples, not one instance.
+At most ``(max_staleness + 1) * batch_groups`` groups are outstanding (submitted and not yet
+trained or dropped, buffered ones included; a trained batch stops counting once its step is published), so no pool gets far ahead of the trainer; with
 ``max_staleness = 0`` this is the synchronous schedule (generate a batch, train on it, publish,
 generate the next). Groups the buffer evicts under ``stale_policy: regenerate`` are sampled again
 under a new group id. Every group id is submitted once and put at most once: a job of a replica
@@ -279,7 +279,6 @@ class AsyncOrchestrator(abc.ABC):
         suite = synthetic_suite(self.options.suite or (cfg.model.warmstart.suite if cfg.model.warmstart
                                                        else SuiteConfig(seed=cfg.seed)))
         self.suite = suite
-        self.train_tasks = suite.train
         self.eval_tasks = suite.heldout[: self.options.eval.tasks]
 
         tcfg = cfg.jax_trainer_config()
@@ -339,7 +338,7 @@ class AsyncOrchestrator(abc.ABC):
         """The next train task: passes over the train functions in a fresh random order, pass
         ``e`` with the examples of :meth:`SyntheticSuite.train_pass` ``(e)``."""
         if not self._order:
-            self._order = list(self._rng.permutation(len(self.train_tasks)))
+            self._order = list(self._rng.permutation(len(self.suite.train)))
             self._pass_tasks = self.suite.train_pass(self._passes)
             self._passes += 1
             self._tasks_by_id.update((t.task_id, t) for t in self._pass_tasks)
@@ -462,7 +461,7 @@ class AsyncOrchestrator(abc.ABC):
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._groups: dict[str, _GroupSpec] = {}
-        self._tasks_by_id = {t.task_id: t for t in self.train_tasks}
+        self._tasks_by_id = {t.task_id: t for t in self.suite.train}
         self._prompts: dict[str, np.ndarray] = {}
         self._rng = np.random.default_rng(cfg.seed)
         self._order: list[int] = []
