@@ -40,8 +40,8 @@ suite, reshuffled every pass by ``seed``, each pass with fresh examples and hidd
 At most ``(max_staleness + 1) * batch_groups`` groups are outstanding (submitted and not yet
 trained or dropped, buffered ones included; a trained batch stops counting once its step is
 published), so no pool gets far ahead of the trainer; with ``max_staleness = 0`` this is the
-synchronous schedule (generate a batch, train on it, publish, generate the next). Groups the buffer evicts under ``stale_policy: regenerate`` are sampled again
-under a new group id. Every group id is submitted once and put at most once: a job of a replica
+synchronous schedule (generate a batch, train on it, publish, generate the next). Groups the
+buffer evicts under ``stale_policy: regenerate`` are sampled again under a new group id. Every group id is submitted once and put at most once: a job of a replica
 that dies is re-queued by the fleet and finished elsewhere; a group whose *later* turns fail, or
 that is retracted, is re-submitted under a new group id.
 
