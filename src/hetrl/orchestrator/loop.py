@@ -34,16 +34,17 @@ again as a new group, so it is regenerated on the new weights (counted as
 turns was generated. The turn running when the weights change still runs to its end (the
 embedded engine has no mid-turn cancel), so abort saves the later turns, not that one.
 
-**Feeding and pacing.** Prompts cycle through the train functions of the synthetic coding
-suite, reshuffled every pass by ``seed``, each pass with fresh examples and hidden tests
-(:meth:`SyntheticSuite.train_pass`), so the policy learns to read examples, not one instance.
-At most ``(max_staleness + 1) * batch_groups`` groups are outstanding (submitted and not yet
-trained or dropped, buffered ones included; a trained batch stops counting once its step is
-published), so no pool gets far ahead of the trainer; with ``max_staleness = 0`` this is the
-synchronous schedule (generate a batch, train on it, publish, generate the next). Groups the
-buffer evicts under ``stale_policy: regenerate`` are sampled again under a new group id. Every group id is submitted once and put at most once: a job of a replica
-that dies is re-queued by the fleet and finished elsewhere; a group whose *later* turns fail, or
-that is retracted, is re-submitted under a new group id.
+**Feeding and pacing.** Prompts cycle through the train functions of the synthetic coding suite,
+reshuffled every pass by ``seed``, each pass with fresh examples and hidden tests
+(:meth:`SyntheticSuite.train_pass`), so the policy learns to read examples, not one instance. At
+most ``(max_staleness + 1) * batch_groups`` groups are outstanding (submitted and not yet trained
+or dropped, buffered ones included; a trained batch stops counting once its step is published), so
+no pool gets far ahead of the trainer; with ``max_staleness = 0`` this is the synchronous schedule
+(generate a batch, train on it, publish, generate the next). Groups the buffer evicts under
+``stale_policy: regenerate`` are sampled again under a new group id. Every group id is submitted
+once and put at most once: a job of a replica that dies is re-queued by the fleet and finished
+elsewhere; a group whose *later* turns fail, or that is retracted, is re-submitted under a new
+group id.
 
 **Outputs** under ``output_dir``: ``metrics.jsonl`` (or ``logging.jsonl_path``) and TensorBoard
 event files in ``logging.tensorboard_dir`` (default ``tensorboard/``), trainer checkpoints every
