@@ -2,7 +2,8 @@
 #   make train   run the main job on the embedded default (tiny CPU run)
 #   make test    run the test suite
 # Both bootstrap .venv on first use (pinned by constraints.txt) and re-install when
-# pyproject.toml or constraints.txt change.
+# pyproject.toml or constraints.txt change. `make test` also bootstraps .venv-sglang (a real
+# SGLang server for the SGLang-pool integration tests; tests/sglang_server/, ~2 min, 2.4 GB once).
 
 PYTHON ?= python3.11
 VENV   := .venv
@@ -10,7 +11,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.hetrl-$(shell cat pyproject.toml constraints.txt | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: venv test train bench clean
+.PHONY: venv sglang-venv test train bench clean
 
 venv: $(STAMP)
 
@@ -19,7 +20,10 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
 	@rm -f $(VENV)/.hetrl-* && touch $@
 
-test: $(STAMP)
+sglang-venv:
+	@$(PYTHON) tests/sglang_server/bootstrap.py >/dev/null
+
+test: $(STAMP) sglang-venv
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 train: $(STAMP)
@@ -29,4 +33,4 @@ bench: $(STAMP)
 	$(PY) bench/correction_overhead.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .venv-sglang .pytest_cache .hypothesis

@@ -1,11 +1,15 @@
-"""Throughput of the embedded JAX sampler against Hugging Face ``transformers`` ``generate``.
+"""Throughput of the embedded JAX sampler against Hugging Face ``transformers`` ``generate`` and
+a real SGLang server (through hetrl's SGLang pool client).
 
-Both run the same tiny Qwen3 checkpoint on the CPU in float32 (the embedded sampler with the
-exact ``fp32`` reference profile, transformers in torch eager mode) with the same sampling
-(temperature 1, top_k 50, top_p 0.95), at batch sizes 1 / 8 / 32, prompts of 64 random tokens
-and exactly 128 new tokens (no stop token; transformers gets ``min_new_tokens=128``). The
-embedded sampler additionally records, per token, its log-prob and the kept support (up to 64
-ids with log-probs); transformers only returns token ids.
+All run the same tiny Qwen3 checkpoint on the CPU in float32 (the embedded sampler with the
+exact ``fp32`` reference profile, transformers in torch eager mode, SGLang 0.5.23's CPU engine
+with torch-native attention from ``.venv-sglang``, see tests/sglang_server/) with the same
+sampling (temperature 1, top_k 50, top_p 0.95), at batch sizes 1 / 8 / 32, prompts of 64 random
+tokens and exactly 128 new tokens (no stop token; transformers gets ``min_new_tokens=128``,
+SGLang ``ignore_eos``). The embedded sampler and the SGLang pool additionally record, per token,
+its log-prob and the kept support with log-probs (SGLang: its native sampling mask, plus a
+64-token log-prob head); transformers only returns token ids. The SGLang batch is sent as
+concurrent HTTP requests, which the server batches; client and server share the machine's cores.
 
 The model is realistic-but-cheap: hidden 256, 4 layers, 4 query / 2 KV heads of dim 64,
 intermediate 768, vocabulary 8192 (7.3M parameters; the LM head is 29% of them). Compilation
@@ -16,7 +20,7 @@ over repeats and as the best (fastest) repeat: on a shared machine torch's OpenM
 now and then (a repeat can take 10x the usual), which inflates transformers' median, so the
 best-vs-best speedup is the conservative figure.
 
-    .venv/bin/python bench/sampler_throughput.py [--repeats 5] [--out bench/results]
+    .venv/bin/python bench/sampler_throughput.py [--repeats 5] [--out bench/results] [--no-sglang]
 
 Writes ``sampler_throughput.json`` and ``sampler_throughput.png`` to ``--out``.
 """
@@ -56,8 +60,9 @@ NEW_TOKENS = 128
 SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.95)
 
 
-def make_engines(directory: pathlib.Path):
-    """``(run_hf, run_embedded)``: each takes prompts [B, 64] int32 and returns new tokens [B, 128]."""
+def make_engines(directory: pathlib.Path) -> dict:
+    """``{"hf": run_hf, "embedded": run_embedded}``: each takes prompts [B, 64] int32 and
+    returns new tokens [B, 128]."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -78,7 +83,30 @@ def make_engines(directory: pathlib.Path):
         reqs = [GenerationRequest(f"r{i}", p, SAMPLING, NEW_TOKENS) for i, p in enumerate(prompts)]
         return np.stack([g.token_ids for g in sampler.generate(reqs)])
 
-    return run_hf, run_embedded
+    return {"hf": run_hf, "embedded": run_embedded}
+
+
+def make_sglang(directory: pathlib.Path, work: pathlib.Path):
+    """``(server, run_sglang)``: an SGLang server on ``directory`` and a one-replica SGLang pool
+    client over it (same signature as the other engines)."""
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+    from sglang_server.server import SGLangServer
+
+    from hetrl.samplers.fleet import PoolConfig
+    from hetrl.samplers.sglang import ServerSampler
+
+    server = SGLangServer(directory, log_path=work / "sglang.log").start()
+    pool = PoolConfig(name="sglang", engine="sglang", accelerator="h100", endpoints=(server.url,),
+                      server={"top_logprobs_num": 64})
+    sampler = ServerSampler(pool, pool.numerics(), model_dir=directory, weights_dir=work / "weights")
+
+    def run_sglang(prompts: np.ndarray) -> np.ndarray:
+        reqs = [GenerationRequest(f"r{i}", p, SAMPLING, NEW_TOKENS) for i, p in enumerate(prompts)]
+        return np.stack([g.token_ids for g in sampler.generate(reqs)])
+
+    return server, run_sglang
 
 
 def timed(fn, prompts) -> float:
@@ -96,17 +124,21 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
     import matplotlib.pyplot as plt
 
     x = np.arange(len(rows))
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    for name, label, dx in (("hf", "transformers generate (torch CPU)", -0.2), ("embedded", "hetrl embedded (JAX CPU)", 0.2)):
+    engines = [e for e in (("hf", "transformers generate (torch CPU)"), ("embedded", "hetrl embedded (JAX CPU)"),
+                           ("sglang", "SGLang 0.5.23 server (CPU) via hetrl pool")) if f"{e[0]}_tokens_per_s" in rows[0]]
+    width = 0.8 / len(engines)
+    fig, ax = plt.subplots(figsize=(7.2, 4.2))
+    for j, (name, label) in enumerate(engines):
+        dx = (j - (len(engines) - 1) / 2) * width
         med = [r[f"{name}_tokens_per_s"] for r in rows]
         best = [r[f"{name}_best_tokens_per_s"] for r in rows]
-        ax.bar(x + dx, med, 0.4, label=f"{label}, median")
-        ax.scatter(x + dx, best, marker="_", s=300, color="black", linewidths=2, zorder=3)
-    ax.scatter([], [], marker="_", s=300, color="black", label="best repeat")
+        ax.bar(x + dx, med, width, label=f"{label}, median")
+        ax.scatter(x + dx, best, marker="_", s=200, color="black", linewidths=2, zorder=3)
+    ax.scatter([], [], marker="_", s=200, color="black", label="best repeat")
     for i, r in enumerate(rows):
         top = max(r["embedded_tokens_per_s"], r["embedded_best_tokens_per_s"])
-        ax.annotate(f"{r['speedup']:.1f}x / {r['best_speedup']:.1f}x", (x[i] + 0.2, top), ha="center",
-                    va="bottom", fontsize=8)
+        ax.annotate(f"vs hf {r['speedup']:.1f}x / {r['best_speedup']:.1f}x", (x[i], top), ha="center",
+                    va="bottom", fontsize=7)
     ax.set_xticks(x, [f"batch {r['batch_size']}" for r in rows])
     ax.set_yscale("log")
     ax.set_ylabel("new tokens / s (speedup: median / best)")
@@ -122,6 +154,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(__file__).parent / "results")
+    parser.add_argument("--no-sglang", dest="sglang", action="store_false", help="leave the SGLang server out")
     args = parser.parse_args()
     console = Console(width=140)
     rng = np.random.default_rng(0)
@@ -130,21 +163,28 @@ def main() -> None:
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         directory = build_tiny_checkpoint(pathlib.Path(tmp) / "bench-model", BENCH_MODEL, seed=0)
-        run_hf, run_embedded = make_engines(directory)
-        warmup = {}
-        times: dict[int, dict[str, list[float]]] = {b: {"hf": [], "embedded": []} for b in BATCH_SIZES}
-        with Progress(console=console, transient=True) as progress:
-            task = progress.add_task("warm-up / compile", total=len(BATCH_SIZES) * (2 + 2 * args.repeats))
-            for b in BATCH_SIZES:
-                warmup[b] = {"embedded_first_call_s": timed(run_embedded, prompts[b]), "hf_first_call_s": timed(run_hf, prompts[b])}
-                progress.advance(task, 2)
-            progress.update(task, description="timing (interleaved)")
-            for rep in range(args.repeats):
+        engines = make_engines(directory)
+        server = None
+        if args.sglang:
+            server, engines["sglang"] = make_sglang(directory, pathlib.Path(tmp))
+        try:
+            warmup = {}
+            times: dict[int, dict[str, list[float]]] = {b: {name: [] for name in engines} for b in BATCH_SIZES}
+            with Progress(console=console, transient=True) as progress:
+                task = progress.add_task("warm-up / compile", total=len(BATCH_SIZES) * len(engines) * (1 + args.repeats))
                 for b in BATCH_SIZES:
-                    order = (("hf", run_hf), ("embedded", run_embedded))
-                    for name, fn in order if rep % 2 == 0 else order[::-1]:
-                        times[b][name].append(timed(fn, prompts[b]))
-                        progress.advance(task)
+                    warmup[b] = {f"{name}_first_call_s": timed(fn, prompts[b]) for name, fn in engines.items()}
+                    progress.advance(task, len(engines))
+                progress.update(task, description="timing (interleaved)")
+                order = list(engines.items())
+                for rep in range(args.repeats):
+                    for b in BATCH_SIZES:
+                        for name, fn in order[rep % len(order):] + order[: rep % len(order)]:  # rotate who goes first
+                            times[b][name].append(timed(fn, prompts[b]))
+                            progress.advance(task)
+        finally:
+            if server is not None:
+                server.close()
 
     rows = []
     for b in BATCH_SIZES:
@@ -157,15 +197,24 @@ def main() -> None:
             embedded_best_tokens_per_s=b * NEW_TOKENS / min(times[b]["embedded"]),
             hf_all_s=times[b]["hf"], embedded_all_s=times[b]["embedded"], **warmup[b],
         ))
+        if "sglang" in times[b]:
+            sg = times[b]["sglang"]
+            rows[-1].update(sglang_s=statistics.median(sg), sglang_tokens_per_s=b * NEW_TOKENS / statistics.median(sg),
+                            sglang_best_tokens_per_s=b * NEW_TOKENS / min(sg), sglang_all_s=sg,
+                            embedded_vs_sglang=statistics.median(sg) / emb_s,
+                            embedded_vs_sglang_best=min(sg) / min(times[b]["embedded"]))
 
     table = Table(title=f"Sampler throughput (new tokens/s; median and best of {args.repeats})")
+    sglang = "sglang_tokens_per_s" in rows[0]
     for col in ("batch", "transformers", "embedded", "speedup", "transformers best", "embedded best",
-                "best speedup", "embedded 1st call s"):
+                "best speedup", "embedded 1st call s") + ("sglang", "sglang best", "embedded / sglang") * sglang:
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(str(r["batch_size"]), f"{r['hf_tokens_per_s']:.0f}", f"{r['embedded_tokens_per_s']:.0f}",
                       f"{r['speedup']:.2f}x", f"{r['hf_best_tokens_per_s']:.0f}", f"{r['embedded_best_tokens_per_s']:.0f}",
-                      f"{r['best_speedup']:.2f}x", f"{r['embedded_first_call_s']:.1f}")
+                      f"{r['best_speedup']:.2f}x", f"{r['embedded_first_call_s']:.1f}",
+                      *((f"{r['sglang_tokens_per_s']:.0f}", f"{r['sglang_best_tokens_per_s']:.0f}",
+                         f"{r['embedded_vs_sglang']:.2f}x") if sglang else ()))
     console.print(table)
 
     import jax

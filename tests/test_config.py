@@ -1,6 +1,7 @@
 """Run configs: the shipped YAML files, dotted overrides, errors naming the key, the CLI."""
 
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -209,6 +210,19 @@ def test_insecure_http_needs_an_explicit_opt_in_and_loopback_needs_none():
                                                   "fleet.pools[1].allow_insecure_http=true",
                                                   "fleet.pools[2].endpoints[0]=http://127.0.0.1:30000"])
     assert c.fleet.pools[1].endpoints[0].startswith("http://") and c.fleet.pools[2].endpoints[0].startswith("http://")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["async.sampling.top_p=0.9"], "fleet.pools[b200-nvfp4] with async.sampling: top_p=0.9 without a top-k cap"),
+    (["async.sampling.top_k=128", "async.sampling.top_p=0.9"], "top_k=128 exceeds the log-prob head"),
+])
+def test_server_pools_refuse_sampling_their_head_cannot_rebuild(overrides, message):
+    assert load_config("qwen3_b200_megatron.yaml", overrides).async_.sampling.top_p == 0.9  # native masks: exact
+    head = [f"fleet.pools[{i}].server.sampling_mask=head" for i in range(5)]
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config("qwen3_b200_megatron.yaml", overrides + head)
+    approx = [f"fleet.pools[{i}].server.support=head_tail" for i in range(5)]
+    assert load_config("qwen3_b200_megatron.yaml", overrides + head + approx).async_.sampling.top_p == 0.9
 
 
 def test_dry_run_names_the_api_key_variable_never_the_key(capsys, monkeypatch):

@@ -196,6 +196,10 @@ def test_update_weights_changes_outputs_and_version_without_recompiling(soft_wei
     assert sum(not np.array_equal(x.token_ids, y.token_ids) for x, y in zip(same, again)) >= 6
     h = b.health()
     assert h.healthy and h.in_flight == 0 and "tokens generated" in h.detail
+    # reseed restarts the stream: the first call's draws again (common random numbers)
+    b.reseed(5)
+    for x, y in zip(same, b.generate(reqs)):
+        np.testing.assert_array_equal(x.token_ids, y.token_ids)
 
 
 def test_weights_are_quantized_per_tensor_role(soft_weights):

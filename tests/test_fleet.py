@@ -95,6 +95,13 @@ def test_fake_sampler_satisfies_the_protocol():
     (dict(name="a", accelerator="h100", engine="sglang-jax", endpoints=("https://x",)), "", "serves TPUs"),
     (dict(name="a", accelerator="tpu-v6e", engine="sglang", endpoints=("https://x",)), "", "use 'sglang-jax'"),
     (dict(name="a", accelerator="h100", endpoints=("https://x",)), "", "embedded pools take no endpoints"),
+    (dict(name="a", accelerator="h100", server={"retries": 1}), "", "embedded pools take no endpoints"),
+    (dict(name="a", accelerator="tpu-v6e", engine="sglang-jax", endpoints=("https://x",)), "",
+     "'restart' needs server.restart_command"),
+    (dict(name="a", accelerator="tpu-v6e", engine="sglang-jax", endpoints=("https://x",),
+          server={"weight_sync": "disk"}), "", "no /update_weights_from_disk endpoint"),
+    (dict(name="a", accelerator="h100", engine="sglang", endpoints=("https://x",), server={"top_logprobs_num": 0}),
+     "server.top_logprobs_num", "greater than or equal to 1"),
     (dict(name="a", accelerator="h100", replicas=0), "replicas", "greater than or equal to 1"),
     (dict(name="a", accelerator="h100", colour="red"), "colour", "Extra inputs"),
 ])
@@ -156,7 +163,8 @@ def test_pool_numerics_and_overrides():
     p = pool("mi", "mi300x", "fp8_e4m3fnuz", price_per_hour_usd=1.5)
     n = p.numerics()
     assert (n.kind, n.weight_format, n.kv_format, n.cost_per_hour()) == ("mi300x", "fp8_e4m3fnuz", "bf16", 1.5)
-    tpu = PoolConfig(name="t", accelerator="tpu-v6e", engine="sglang-jax", replicas=2, endpoints=("https://a", "https://b"))
+    tpu = PoolConfig(name="t", accelerator="tpu-v6e", engine="sglang-jax", replicas=2, endpoints=("https://a", "https://b"),
+                     server={"restart_command": ("restart.sh", "{endpoint}", "{model_path}")})
     assert tpu.numerics().weight_format == "bf16"
     with pytest.raises(ValidationError, match="repeated: a"):
         FleetConfig(pools=[pool("a", "h100"), pool("a", "a100")])

@@ -259,6 +259,20 @@ class RunConfig(_Strict):
     checkpointing: CheckpointingSection = CheckpointingSection()
     ray: RaySection = RaySection()
 
+    @model_validator(mode="after")
+    def _server_supports_exact(self) -> "RunConfig":
+        """Server pools that rebuild kept sets from a log-prob head: ``async.sampling`` must fit it."""
+        from hetrl.samplers.head_support import HeadSupportError, check_head_params
+
+        for pool in self.fleet.pools:
+            if pool.engine != "embedded" and pool.server.resolved_sampling_mask(pool.engine) == "head":
+                try:
+                    check_head_params(self.async_.sampling, pool.server.top_logprobs_num,
+                                      approximate=pool.server.support == "head_tail")
+                except HeadSupportError as err:
+                    raise ValueError(f"fleet.pools[{pool.name}] with async.sampling: {err}") from None
+        return self
+
     def jax_trainer_config(self) -> JaxTrainerConfig:
         """The full :class:`JaxTrainerConfig` of a ``kind: jax`` trainer."""
         t = self.trainer

@@ -109,7 +109,10 @@ class EvalOptions(BaseModel):
     step is always evaluated when enabled) on the first ``tasks`` held-out tasks (None: all),
     ``greedy``, or with the rollouts' own sampling parameters (``async.sampling``: the policy as
     it is sampled for training, truncation included) and ``samples`` episodes per task (the
-    success rate is then the mean over ``tasks x samples`` episodes: a lower-variance estimate)."""
+    success rate is then the mean over ``tasks x samples`` episodes: a lower-variance estimate).
+    Every evaluation restarts the evaluation sampler's random stream at the run's seed (common
+    random numbers): two evaluations differ by what the policy changed, not by fresh sampling
+    noise, so the difference between steps is measured with much less variance than either."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -306,8 +309,16 @@ class AsyncOrchestrator(abc.ABC):
             self.fleet.publish_weights(self.trainer.version, self.trainer.export_hf_weights())
 
     def _make_sampler(self, pool: PoolConfig, numerics: SamplerNumerics, index: int) -> Sampler:
-        seed = (self.config.seed * 1_000_003 + zlib.crc32(pool.name.encode()) * 101 + index) % (2**31)
-        sampler = self._create_sampler(numerics, pool=pool.name, seed=seed)
+        """Replica ``index`` of ``pool``: an embedded engine (placed by the backend), or an HTTP
+        client of the pool's ``index``-th server (in the driver, whatever the backend)."""
+        if pool.engine == "embedded":
+            seed = (self.config.seed * 1_000_003 + zlib.crc32(pool.name.encode()) * 101 + index) % (2**31)
+            sampler = self._create_sampler(numerics, pool=pool.name, seed=seed)
+        else:
+            from hetrl.samplers.sglang import ServerSampler
+
+            sampler = ServerSampler(pool, numerics, model_dir=self.model_dir, weights_dir=self.output_dir / "weights",
+                                    endpoints=[pool.endpoints[index]])
         return self.wrap_sampler(pool, index, sampler) if self.wrap_sampler else sampler
 
     # ================================================================== the fleet side
@@ -440,6 +451,7 @@ class AsyncOrchestrator(abc.ABC):
         docstring), by :func:`hetrl.orchestrator.evaluation.evaluate_tasks`."""
         assert self._eval_sampler is not None
         self._eval_sampler.update_weights(self.trainer.version, weights)
+        self._eval_sampler.reseed(self.config.seed)  # the same noise at every evaluation: paired comparisons
         e = self.options.eval
         sampling = SamplingParams(temperature=1.0, top_k=1) if e.greedy else self.config.async_.sampling
         scores = evaluate_tasks(self.runner, self._eval_sampler, list(self.eval_tasks) * e.samples, sampling,

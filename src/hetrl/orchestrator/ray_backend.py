@@ -104,6 +104,9 @@ class RaySampler:
     def health(self) -> SamplerHealth:
         return ray.get(self.actor.call.remote("health"))
 
+    def reseed(self, seed: int) -> None:
+        ray.get(self.actor.call.remote("reseed", seed))
+
 
 class RayTrainer:
     """:class:`TrainerHandle` over a :class:`HostActor` hosting the trainer. ``version`` is read

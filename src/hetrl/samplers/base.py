@@ -29,6 +29,24 @@ class GenerationRequest:
     stop_token_ids: tuple[int, ...] = ()
 
 
+def check_request(r: GenerationRequest, vocab_size: int, max_length: int) -> None:
+    """Refuse a request no model of ``vocab_size`` tokens and ``max_length`` positions can
+    serve: prompt ids not a non-empty 1-D integer array, ids outside ``[0, vocab_size)``,
+    ``max_new_tokens < 1``, or prompt + new tokens past ``max_length``. Raises ValueError
+    naming the request."""
+    ids = np.asarray(r.prompt_ids)
+    where = f"request {r.request_id!r}"
+    if ids.ndim != 1 or ids.shape[0] == 0 or ids.dtype.kind not in "iu":
+        raise ValueError(f"{where}: prompt_ids must be a non-empty 1-D integer array, got dtype {ids.dtype} shape {ids.shape}")
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise ValueError(f"{where}: prompt token ids must lie in [0, {vocab_size})")
+    if r.max_new_tokens < 1:
+        raise ValueError(f"{where}: max_new_tokens must be >= 1, got {r.max_new_tokens}")
+    if ids.shape[0] + r.max_new_tokens > max_length:
+        raise ValueError(f"{where}: prompt ({ids.shape[0]}) + max_new_tokens ({r.max_new_tokens}) exceeds "
+                         f"max_position_embeddings={max_length}")
+
+
 @dataclass(frozen=True, eq=False)
 class Generation:
     """One sampled continuation. Per new token t (shape [T] each): ``token_ids``,

@@ -57,7 +57,7 @@ from hetrl.core.schema import SamplerInfo, SamplingSupport
 from hetrl.models.config import ModelConfig
 from hetrl.models.hf_io import check_state_dict, load_state_dict
 from hetrl.models.qwen_jax import KVCache, QwenModel, from_hf_state_dict, grow_cache, init_cache
-from hetrl.samplers.base import Generation, GenerationRequest, SamplerHealth
+from hetrl.samplers.base import Generation, GenerationRequest, SamplerHealth, check_request
 from hetrl.samplers.profiles import SamplerNumerics
 from hetrl.samplers.sampling import DEFAULT_SUPPORT_CAP, check_params, draw_noise, row_keys, sample
 
@@ -264,6 +264,12 @@ class EmbeddedSampler:
             self._leaves = leaves
             self._version = int(version)
 
+    def reseed(self, seed: int) -> None:
+        """Restart the random stream at ``seed``: the same requests in the same calls then draw
+        the same noise (common random numbers, e.g. for paired evaluations across steps)."""
+        with self._lock:
+            self._key = jax.random.key(seed)
+
     def health(self) -> SamplerHealth:
         with self._lock:
             detail = (f"{self._tokens} tokens generated; {self._cap_bound} top-p sets cut to the "
@@ -290,21 +296,11 @@ class EmbeddedSampler:
 
     # ------------------------------------------------------------------ internals
     def _check(self, r: GenerationRequest) -> None:
-        ids = np.asarray(r.prompt_ids)
-        where = f"request {r.request_id!r}"
-        if ids.ndim != 1 or ids.shape[0] == 0 or ids.dtype.kind not in "iu":
-            raise ValueError(f"{where}: prompt_ids must be a non-empty 1-D integer array, got dtype {ids.dtype} shape {ids.shape}")
-        if ids.min() < 0 or ids.max() >= self.config.vocab_size:
-            raise ValueError(f"{where}: prompt token ids must lie in [0, {self.config.vocab_size})")
-        if r.max_new_tokens < 1:
-            raise ValueError(f"{where}: max_new_tokens must be >= 1, got {r.max_new_tokens}")
-        if ids.shape[0] + r.max_new_tokens > self.config.max_position_embeddings:
-            raise ValueError(f"{where}: prompt ({ids.shape[0]}) + max_new_tokens ({r.max_new_tokens}) exceeds "
-                             f"max_position_embeddings={self.config.max_position_embeddings}")
+        check_request(r, self.config.vocab_size, self.config.max_position_embeddings)
         try:
             check_params([r.sampling.top_k], [r.sampling.top_p], self.width)
         except ValueError as err:
-            raise ValueError(f"{where}: {err}") from None
+            raise ValueError(f"request {r.request_id!r}: {err}") from None
 
     def _run_chunk(self, chunk: Sequence[GenerationRequest], leaves, version: int, key) -> list[Generation]:
         n = len(chunk)

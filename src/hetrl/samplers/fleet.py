@@ -68,7 +68,7 @@ from hetrl.core.admission import QuarantineConfig
 from hetrl.samplers.base import Generation, GenerationRequest, Sampler
 from hetrl.samplers.profiles import CATALOGUE, SamplerNumerics, get_profile
 
-__all__ = ["Engine", "Endpoint", "is_loopback_host", "PoolConfig", "FleetConfig", "Replica", "JobResult", "Fleet",
+__all__ = ["Engine", "Endpoint", "ServerOptions", "is_loopback_host", "PoolConfig", "FleetConfig", "Replica", "JobResult", "Fleet",
            "FleetError", "SamplerFactory"]
 
 Engine = Literal["embedded", "sglang", "sglang-jax"]
@@ -113,6 +113,50 @@ Endpoint = Annotated[str, AfterValidator(_check_endpoint)]
 """A server base URL, checked by :func:`_check_endpoint`."""
 
 
+class ServerOptions(BaseModel):
+    """How a server pool (engine ``sglang`` or ``sglang-jax``) is driven
+    (:mod:`hetrl.samplers.sglang`).
+
+    ``sampling_mask``: where the support of truncated sampling comes from (default ``native``
+    for sglang, ``head`` for sglang-jax). ``native``: the
+    server's own record of the set it sampled from (SGLang's ``return_sampling_mask``, with the
+    renormalized log-probs over it), exact for any top-k / top-p; SGLang needs a finite top-k of
+    at most ``sampling_mask_max_tokens`` (its ``--sampling-mask-max-tokens``) for it, so top-p
+    alone is sent as top-k = vocabulary size when the vocabulary fits, and refused otherwise. ``head``: rebuilt from the
+    log-prob head of ``top_logprobs_num`` tokens per token (for servers without sampling-mask
+    output); exact when ``top_k <= top_logprobs_num``, refused otherwise unless ``support:
+    head_tail`` opts into the head/tail approximation (DESIGN §3.5). Untruncated sampling records
+    the head either way. Requests time out after ``request_timeout_s``
+    (connecting: ``connect_timeout_s``) and are retried ``retries`` times with a backoff of
+    ``backoff_s · 2^attempt``. ``weight_sync``: ``disk`` (``/update_weights_from_disk``; the
+    default for ``sglang``) or ``restart`` (run ``restart_command`` per endpoint and wait up to
+    ``ready_timeout_s`` for it; the only option for ``sglang-jax``, which has no weight-update
+    endpoint)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    sampling_mask: Literal["native", "head"] | None = None
+    sampling_mask_max_tokens: int = Field(4096, ge=1, description="the servers' --sampling-mask-max-tokens")
+    top_logprobs_num: int = Field(64, ge=1)
+    support: Literal["exact", "head_tail"] = "exact"
+    request_timeout_s: float = Field(600.0, gt=0.0, allow_inf_nan=False)
+    connect_timeout_s: float = Field(10.0, gt=0.0, allow_inf_nan=False)
+    retries: int = Field(2, ge=0)
+    backoff_s: float = Field(0.5, ge=0.0, allow_inf_nan=False)
+    weight_sync: Literal["disk", "restart"] | None = None
+    restart_command: tuple[str, ...] = ()
+    ready_timeout_s: float = Field(300.0, gt=0.0, allow_inf_nan=False)
+
+    def resolved_sampling_mask(self, engine: str) -> str:
+        """``sampling_mask``, or the engine's default (``head`` for sglang-jax, which returns no
+        sampling mask, else ``native``)."""
+        return self.sampling_mask or ("head" if engine == "sglang-jax" else "native")
+
+    def resolved_weight_sync(self, engine: str) -> str:
+        """``weight_sync``, or the engine's default (``restart`` for sglang-jax, else ``disk``)."""
+        return self.weight_sync or ("restart" if engine == "sglang-jax" else "disk")
+
+
 class PoolConfig(BaseModel):
     """One pool of identical replicas. ``weight_precision`` / ``kv_precision`` default to the
     profile's defaults and must be native to ``accelerator``; ``price_per_hour_usd`` and
@@ -139,6 +183,7 @@ class PoolConfig(BaseModel):
                                     description="environment variable holding the servers' API key")
     allow_insecure_http: bool = Field(False, description="accept plain http:// to non-loopback hosts")
     endpoints: tuple[Endpoint, ...] = ()
+    server: ServerOptions = ServerOptions()
     price_per_hour_usd: float | None = Field(None, ge=0.0, allow_inf_nan=False)
     relative_throughput: float | None = Field(None, gt=0.0, allow_inf_nan=False)
 
@@ -173,8 +218,10 @@ class PoolConfig(BaseModel):
     @model_validator(mode="after")
     def _engine(self) -> "PoolConfig":
         tpu = self.accelerator.startswith("tpu")
-        if self.engine == "embedded" and (self.endpoints or self.api_key_env or self.allow_insecure_http):
-            raise ValueError(f"pool {self.name!r}: embedded pools take no endpoints, api_key_env or allow_insecure_http")
+        if self.engine == "embedded" and (self.endpoints or self.api_key_env or self.allow_insecure_http
+                                          or self.server != ServerOptions()):
+            raise ValueError(f"pool {self.name!r}: embedded pools take no endpoints, api_key_env, "
+                             "allow_insecure_http or server options")
         if self.engine != "embedded" and len(self.endpoints) != self.replicas:
             raise ValueError(f"pool {self.name!r}: engine {self.engine!r} needs one endpoint per replica "
                              f"({self.replicas} replicas, {len(self.endpoints)} endpoints)")
@@ -182,6 +229,13 @@ class PoolConfig(BaseModel):
             raise ValueError(f"pool {self.name!r}: engine 'sglang-jax' serves TPUs, not {self.accelerator!r}")
         if self.engine == "sglang" and tpu:
             raise ValueError(f"pool {self.name!r}: engine 'sglang' serves GPUs; use 'sglang-jax' for {self.accelerator!r}")
+        sync = self.server.resolved_weight_sync(self.engine)
+        if self.engine == "sglang-jax" and sync == "disk":
+            raise ValueError(f"pool {self.name!r}: sglang-jax servers have no /update_weights_from_disk endpoint; "
+                             "use server.weight_sync: restart with a server.restart_command")
+        if sync == "restart" and not self.server.restart_command:
+            raise ValueError(f"pool {self.name!r}: server.weight_sync 'restart' needs server.restart_command "
+                             "(argv run per endpoint to restart it on {model_path})")
         return self
 
     def auth_headers(self) -> dict[str, str]:
