@@ -10,6 +10,9 @@ SGLang ``ignore_eos``). The embedded sampler and the SGLang pool additionally re
 its log-prob and the kept support with log-probs (SGLang: its native sampling mask, plus a
 64-token log-prob head); transformers only returns token ids. The SGLang batch is sent as
 concurrent HTTP requests, which the server batches; client and server share the machine's cores.
+Two phases, each interleaved: transformers vs embedded, then (server started) embedded vs SGLang;
+the server's processes are up only in the second, since they slow torch's threads in the first.
+Each ratio compares engines timed in the same phase.
 
 The model is realistic-but-cheap: hidden 256, 4 layers, 4 query / 2 KV heads of dim 64,
 intermediate 768, vocabulary 8192 (7.3M parameters; the LM head is 29% of them). Compilation
@@ -117,6 +120,27 @@ def timed(fn, prompts) -> float:
     return elapsed
 
 
+def time_interleaved(engines: dict, prompts: dict, repeats: int, progress: Progress, what: str):
+    """``(first-call seconds, times)`` of ``engines`` at every batch size: one warm-up call each,
+    then ``repeats`` rounds interleaving the engines (rotating which goes first), so machine load
+    shifts them alike. ``times[b][name]`` lists the seconds of each round."""
+    task = progress.add_task(f"{what}: warm-up", total=len(BATCH_SIZES) * len(engines) * (1 + repeats))
+    warmup = {b: {} for b in BATCH_SIZES}
+    for b in BATCH_SIZES:
+        for name, fn in engines.items():
+            warmup[b][f"{name}_first_call_s"] = timed(fn, prompts[b])
+            progress.advance(task)
+    progress.update(task, description=f"{what}: timing (interleaved)")
+    times = {b: {name: [] for name in engines} for b in BATCH_SIZES}
+    order = list(engines.items())
+    for rep in range(repeats):
+        for b in BATCH_SIZES:
+            for name, fn in order[rep % len(order):] + order[: rep % len(order)]:
+                times[b][name].append(timed(fn, prompts[b]))
+                progress.advance(task)
+    return warmup, times
+
+
 def plot(rows: list[dict], path: pathlib.Path) -> None:
     import matplotlib
 
@@ -164,27 +188,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         directory = build_tiny_checkpoint(pathlib.Path(tmp) / "bench-model", BENCH_MODEL, seed=0)
         engines = make_engines(directory)
-        server = None
-        if args.sglang:
-            server, engines["sglang"] = make_sglang(directory, pathlib.Path(tmp))
-        try:
-            warmup = {}
-            times: dict[int, dict[str, list[float]]] = {b: {name: [] for name in engines} for b in BATCH_SIZES}
-            with Progress(console=console, transient=True) as progress:
-                task = progress.add_task("warm-up / compile", total=len(BATCH_SIZES) * len(engines) * (1 + args.repeats))
+        with Progress(console=console, transient=True) as progress:
+            warmup, times = time_interleaved(engines, prompts, args.repeats, progress, "transformers vs embedded")
+            if args.sglang:  # a second phase: the server's processes would slow torch's threads in the first
+                server, run_sglang = make_sglang(directory, pathlib.Path(tmp))
+                try:
+                    warm_b, times_b = time_interleaved({"embedded": engines["embedded"], "sglang": run_sglang},
+                                                       prompts, args.repeats, progress, "embedded vs SGLang")
+                finally:
+                    server.close()
                 for b in BATCH_SIZES:
-                    warmup[b] = {f"{name}_first_call_s": timed(fn, prompts[b]) for name, fn in engines.items()}
-                    progress.advance(task, len(engines))
-                progress.update(task, description="timing (interleaved)")
-                order = list(engines.items())
-                for rep in range(args.repeats):
-                    for b in BATCH_SIZES:
-                        for name, fn in order[rep % len(order):] + order[: rep % len(order)]:  # rotate who goes first
-                            times[b][name].append(timed(fn, prompts[b]))
-                            progress.advance(task)
-        finally:
-            if server is not None:
-                server.close()
+                    warmup[b]["sglang_first_call_s"] = warm_b[b]["sglang_first_call_s"]
+                    times[b]["sglang"] = times_b[b]["sglang"]
+                    times[b]["embedded_with_server"] = times_b[b]["embedded"]
 
     rows = []
     for b in BATCH_SIZES:
@@ -197,12 +213,13 @@ def main() -> None:
             embedded_best_tokens_per_s=b * NEW_TOKENS / min(times[b]["embedded"]),
             hf_all_s=times[b]["hf"], embedded_all_s=times[b]["embedded"], **warmup[b],
         ))
-        if "sglang" in times[b]:
-            sg = times[b]["sglang"]
+        if "sglang" in times[b]:  # ratios within the second phase (both timed with the server up)
+            sg, peer = times[b]["sglang"], times[b]["embedded_with_server"]
             rows[-1].update(sglang_s=statistics.median(sg), sglang_tokens_per_s=b * NEW_TOKENS / statistics.median(sg),
                             sglang_best_tokens_per_s=b * NEW_TOKENS / min(sg), sglang_all_s=sg,
-                            embedded_vs_sglang=statistics.median(sg) / emb_s,
-                            embedded_vs_sglang_best=min(sg) / min(times[b]["embedded"]))
+                            embedded_with_server_all_s=peer,
+                            embedded_vs_sglang=statistics.median(sg) / statistics.median(peer),
+                            embedded_vs_sglang_best=min(sg) / min(peer))
 
     table = Table(title=f"Sampler throughput (new tokens/s; median and best of {args.repeats})")
     sglang = "sglang_tokens_per_s" in rows[0]
