@@ -74,6 +74,15 @@ def test_top_p_counts_the_mass_before_each_token():
         assert support.ids.tolist() == want, top_p
 
 
+def test_top_p_one_filters_nothing_even_when_the_rounded_mass_passes_one():
+    # a peaked row whose float32 log-probs sum to slightly more than 1: top-k alone decides
+    lp = np.log(np.asarray([0.9999999, 3e-7, 2e-7, 1e-7], np.float32)).astype(np.float32)
+    assert np.exp(lp.astype(np.float64))[:2].sum() > 1.0
+    support, _ = support_from_head([[1, 2, 3, 4]], [lp.tolist()], np.asarray([1]), np.asarray([lp[0]]),
+                                   SamplingParams(top_k=3))
+    assert support.ids.tolist() == [1, 2, 3]
+
+
 def test_untruncated_sampling_records_the_head_with_full_log_probs():
     head_ids, head_lp = [[3, 1, 2]], [np.log([0.2, 0.5, 0.1]).tolist()]
     support, logq = support_from_head(head_ids, head_lp, np.asarray([40]), np.asarray([-6.0]), SamplingParams())

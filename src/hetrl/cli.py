@@ -19,10 +19,10 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "warmstart": ("hetrl.warmstart.command", "train the tiny policy from scratch on solved tasks (the RL starting point)"),
     "parity": ("hetrl.parity", "cross-backend numerical parity on one checkpoint (log-probs, loss, AdamW update)"),
+    "experiment": ("hetrl.experiment.command", "run an experiment grid (arms x seeds) and write its report"),
 }
 
 NOT_YET = {
-    "experiment": "the experiment grid (needs `hetrl train`)",
     "fleet": "fleet inspection (needs the samplers)",
     "bench": "benchmark dispatch (run the scripts in bench/ directly for now)",
 }

@@ -48,6 +48,7 @@ __all__ = [
     "ConfigError", "ModelSection", "JaxTrainerSection", "MegatronTrainerSection",
     "TrainerSection", "CorrectionSection", "AsyncSection", "EnvironmentSection", "LoggingSection",
     "CheckpointingSection", "RaySection", "RunConfig", "CONFIG_DIR", "load_config", "validate_config", "apply_override",
+    "load_yaml", "format_path",
     "resolve_config_path",
 ]
 
@@ -325,7 +326,7 @@ def _check_unique_keys(node: yaml.Node | None, seen_nodes: set[int] | None = Non
             _check_unique_keys(item, seen_nodes)
 
 
-def _load_yaml(text: str) -> Any:
+def load_yaml(text: str) -> Any:
     """Parse YAML ``text`` safely, refusing a key repeated in one map (so ``steps: 5`` followed
     later by ``steps: 50`` is an error, not a quiet 50-step run)."""
     _check_unique_keys(yaml.compose(text, Loader=yaml.SafeLoader))
@@ -344,7 +345,7 @@ def _parse_path(path: str) -> list[str | int]:
     return [m.group(1) if m.group(1) is not None else int(m.group(2)) for m in _TOKEN.finditer(path)]
 
 
-def _format_path(parts: Sequence[str | int]) -> str:
+def format_path(parts: Sequence[str | int]) -> str:
     out = ""
     for p in parts:
         out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
@@ -360,16 +361,16 @@ def apply_override(data: dict[str, Any], override: str) -> None:
         raise ConfigError(f"override {override!r} must look like key=value")
     parts = _parse_path(key.strip())
     try:
-        value = _load_yaml(raw) if raw.strip() else None
+        value = load_yaml(raw) if raw.strip() else None
     except yaml.YAMLError as err:
         raise ConfigError(f"override {key}: value {raw!r} is not valid YAML: {err}") from None
     node: Any = data
     for i, part in enumerate(parts):
         last = i == len(parts) - 1
-        where = _format_path(parts[: i + 1])
+        where = format_path(parts[: i + 1])
         if isinstance(part, int):
             if not isinstance(node, list):
-                raise ConfigError(f"override {where}: {_format_path(parts[:i])} is not a list")
+                raise ConfigError(f"override {where}: {format_path(parts[:i])} is not a list")
             if part > len(node):
                 raise ConfigError(f"override {where}: index out of range (the list has {len(node)} items)")
             if part == len(node):
@@ -378,7 +379,7 @@ def apply_override(data: dict[str, Any], override: str) -> None:
                 node[part] = value
         else:
             if not isinstance(node, dict):
-                raise ConfigError(f"override {where}: {_format_path(parts[:i])} is not a map")
+                raise ConfigError(f"override {where}: {format_path(parts[:i])} is not a map")
             if last:
                 node[part] = value
             elif part not in node or node[part] is None:
@@ -402,7 +403,7 @@ def _error_key(loc: Sequence[str | int], raw: Any) -> str:
             node = node[p]
         else:
             node = None
-    return _format_path(parts) or "<root>"
+    return format_path(parts) or "<root>"
 
 
 def validate_config(data: Any, source: str = "<config>") -> RunConfig:
@@ -437,7 +438,7 @@ def load_config(path: str | pathlib.Path, overrides: Sequence[str] = ()) -> RunC
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError(f"{file}: cannot read the config: {err}") from None
     try:
-        data = _load_yaml(text)
+        data = load_yaml(text)
     except yaml.YAMLError as err:
         raise ConfigError(f"{file}: not valid YAML: {err}") from None
     if not isinstance(data, dict):

@@ -92,8 +92,10 @@ def support_from_head(
         order = np.lexsort((ids, -lps))  # decreasing log-prob, ties by the lower id
         ids, lps = ids[order], lps[order]
         if kept:
-            mass_before = np.concatenate([[0.0], np.cumsum(np.exp(lps))[:-1]])
-            n = min(sampling.top_k, int((mass_before <= sampling.top_p).sum()))
+            n = sampling.top_k
+            if sampling.top_p < 1.0:  # top_p = 1 filters nothing (a rounded mass may exceed 1.0)
+                mass_before = np.concatenate([[0.0], np.cumsum(np.exp(lps))[:-1]])
+                n = min(n, int((mass_before <= sampling.top_p).sum()))
             ids, lps = ids[:n], lps[:n]
             a = int(token_ids[t])
             if a not in ids:  # force-keep the sampled token (a boundary the server rounded otherwise)

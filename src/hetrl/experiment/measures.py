@@ -1,0 +1,122 @@
+"""Per-run values, each read from named keys of the run's ``metrics.jsonl`` by a stated rule.
+
+``hetrl train`` writes one JSON object per line: the held-out evaluation before the first step
+(``step: 0``, ``eval/*`` keys only), then one record per trainer step (``step`` 1..N, with
+``mismatch/*``, ``grad_norm``, cumulative ``fleet/*`` counters, and ``eval/*`` on evaluation
+steps). A *training step* below is a record with ``mismatch/k3``; the *last step* is the one
+with the largest ``step``. Null (non-finite) values are skipped. A value a run cannot give (no
+evaluation ran, a zero score) is NaN and counts as missing in every statistic.
+
+:data:`MEASURES` lists every per-run value with its definition; the report prints them with the
+definitions, so each aggregate traces back to a key of a file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from hetrl.experiment.statistics import ols_slope
+
+__all__ = ["Records", "Measure", "MEASURES", "BY_NAME", "load_records", "series", "run_values"]
+
+Records = list[dict[str, Any]]
+
+
+def load_records(path: str | pathlib.Path) -> Records:
+    """The JSON objects of a ``metrics.jsonl``, in order."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def series(records: Records, key: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(steps, values)`` of every record with a finite ``key``."""
+    pts = [(r["step"], r[key]) for r in records
+           if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    return np.asarray([p[0] for p in pts], dtype=np.float64), np.asarray([p[1] for p in pts], dtype=np.float64)
+
+
+def _first(records: Records, key: str) -> float:
+    _, values = series(records, key)
+    return float(values[0]) if values.size else math.nan
+
+
+def _last(records: Records, key: str) -> float:
+    steps, values = series(records, key)
+    return float(values[np.argmax(steps)]) if values.size else math.nan
+
+
+def _mean(records: Records, key: str) -> float:
+    _, values = series(records, key)
+    return float(values.mean()) if values.size else math.nan
+
+
+def _slope(records: Records, key: str) -> float:
+    return ols_slope(*series(records, key))
+
+
+def _spikes(records: Records, factor: float) -> float:
+    _, norms = series(records, "grad_norm")
+    return float((norms > factor * np.median(norms)).sum()) if norms.size else math.nan
+
+
+def _per_point(records: Records) -> float:
+    score = _last(records, "eval/success")
+    return _last(records, "fleet/cost/usd") / (100.0 * score) if score > 0 else math.nan
+
+
+@dataclass(frozen=True)
+class Measure:
+    """A per-run value: ``name`` (a column of the report's per-run table), ``label`` (its
+    heading), ``definition`` (Markdown: the keys and the rule), ``fmt`` (a format spec) and
+    ``compute(records, grad_spike_factor)``."""
+
+    name: str
+    label: str
+    definition: str
+    fmt: str
+    compute: Callable[[Records, float], float]
+
+    def format(self, value: float) -> str:
+        return format(value, self.fmt) if math.isfinite(value) else "n/a"
+
+
+MEASURES: tuple[Measure, ...] = (
+    Measure("heldout_start", "held-out start", "`eval/success` of the first evaluation (before step 1)", ".3f",
+            lambda r, f: _first(r, "eval/success")),
+    Measure("heldout_end", "held-out end", "`eval/success` of the last evaluation (the last step)", ".3f",
+            lambda r, f: _last(r, "eval/success")),
+    Measure("heldout_change", "held-out change", "heldout_end − heldout_start", "+.3f",
+            lambda r, f: _last(r, "eval/success") - _first(r, "eval/success")),
+    Measure("k3_mean", "mean KL k3", "mean of `mismatch/k3` over the training steps", ".3e",
+            lambda r, f: _mean(r, "mismatch/k3")),
+    Measure("k3_slope", "KL k3 slope / step", "least-squares slope of `mismatch/k3` on `step` over the training steps",
+            "+.2e", lambda r, f: _slope(r, "mismatch/k3")),
+    Measure("masked_frac", "masked token fraction", "mean of `mismatch/masked_frac/any` over the training steps",
+            ".4f", lambda r, f: _mean(r, "mismatch/masked_frac/any")),
+    Measure("grad_spikes", "grad-norm spikes",
+            "number of training steps whose `grad_norm` exceeds `grad_spike_factor` x the run's median `grad_norm`",
+            ".3g", _spikes),
+    Measure("cost_usd", "fleet cost, USD", "`fleet/cost/usd` of the last step (cumulative)", ".4f",
+            lambda r, f: _last(r, "fleet/cost/usd")),
+    Measure("trained_tokens", "trained tokens", "`fleet/trained_tokens` of the last step (cumulative)", ".0f",
+            lambda r, f: _last(r, "fleet/trained_tokens")),
+    Measure("usd_per_mtok", "USD / M trained tokens", "10^6 x `fleet/cost/usd_per_trained_token` of the last step",
+            ".4f", lambda r, f: 1e6 * _last(r, "fleet/cost/usd_per_trained_token")),
+    Measure("usd_per_point", "USD / success point",
+            "`fleet/cost/usd` of the last step / (100 x heldout_end): dollars per percentage point of final held-out "
+            "success", ".5f", lambda r, f: _per_point(r)),
+)
+"""Every per-run value (module docstring)."""
+
+BY_NAME = {m.name: m for m in MEASURES}
+
+
+def run_values(records: Records, grad_spike_factor: float) -> dict[str, float]:
+    """Every :data:`MEASURES` value of one run."""
+    return {m.name: m.compute(records, grad_spike_factor) for m in MEASURES}

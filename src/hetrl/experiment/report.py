@@ -1,0 +1,232 @@
+"""``REPORT.md``, ``measures.json`` and ``plots/*.png`` of a finished grid, under its output directory.
+
+Everything is computed from the runs' own ``runs/<arm>/s<seed>/metrics.jsonl`` in the same
+directory: per-run values by the rules of :mod:`hetrl.experiment.measures` (listed in the
+report's Appendix A, defined in Appendix B, and written to ``measures.json``), aggregated over
+runs by :mod:`hetrl.experiment.statistics`, and set against the public claims by
+:mod:`hetrl.experiment.claims`. Sections: the claims with their verdicts, E1 mismatch, E2
+stability, E3 cost, E4 partial alignment, the any-mixture sweep, and the appendices. An analysis
+the grid does not include says so instead of a table.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import pathlib
+from dataclasses import dataclass
+from typing import Sequence
+
+from hetrl.experiment import plots
+from hetrl.experiment.claims import VERDICT_RULES, Claim, claim_cost, claim_mismatch, claim_partial_alignment, column
+from hetrl.experiment.measures import BY_NAME, MEASURES, Records, load_records, run_values
+from hetrl.experiment.plan import ExperimentPlan, RunSpec
+from hetrl.experiment.runner import run_directory
+from hetrl.experiment.statistics import BOOTSTRAP_RESAMPLES, LEVEL, Estimate, t_interval
+
+__all__ = ["REPORT_FILE", "MEASURES_FILE", "SECTIONS", "write_report"]
+
+REPORT_FILE = "REPORT.md"
+MEASURES_FILE = "measures.json"
+SECTIONS = ("## The public result's claims", "## E1 — sampler–trainer mismatch", "## E2 — stability",
+            "## E3 — cost", "## E4 — partial alignment", "## Any mixture — random fleets",
+            "## Appendix A — per-run values", "## Appendix B — definitions", "## Appendix C — arms")
+"""The report's section headings, in order."""
+
+
+@dataclass(frozen=True)
+class _Grid:
+    """A finished grid's data: per run its metrics file (relative to the output directory),
+    records and values; per arm its runs' values."""
+
+    plan: ExperimentPlan
+    files: dict[str, str]
+    records: dict[str, Records]
+    values: dict[str, dict[str, float]]
+    by_arm: dict[str, list[dict[str, float]]]
+
+    def arm_records(self, arms: Sequence[str]) -> dict[str, list[Records]]:
+        return {arm: [self.records[r.key] for r in self.plan.runs_of(arm)] for arm in arms}
+
+    def estimate(self, arm: str, measure: str) -> Estimate:
+        return t_interval(column(self.by_arm, arm, measure))
+
+
+def _load(plan: ExperimentPlan, out: pathlib.Path) -> _Grid:
+    files, records, values = {}, {}, {}
+    for spec in plan.runs:
+        path = run_directory(out, spec) / "metrics.jsonl"
+        files[spec.key] = path.relative_to(out).as_posix()
+        records[spec.key] = load_records(path)
+        values[spec.key] = run_values(records[spec.key], plan.config.grad_spike_factor)
+    by_arm = {arm: [values[r.key] for r in plan.runs_of(arm)] for arm in plan.arms}
+    return _Grid(plan, files, records, values, by_arm)
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(row) + " |" for row in rows), ""]
+
+
+def _arm_table(grid: _Grid, arms: Sequence[str], measures: Sequence[str]) -> list[str]:
+    """A row per arm: its run count and ``mean ± sd [95% CI]`` of each measure over its runs."""
+    header = ["arm", "runs", *(BY_NAME[m].label for m in measures)]
+    rows = [[f"`{arm}`", str(len(grid.plan.runs_of(arm))),
+             *(grid.estimate(arm, m).format(BY_NAME[m].fmt, sd=True) for m in measures)] for arm in arms]
+    return _table(header, rows)
+
+
+def _figure(out: pathlib.Path, path: pathlib.Path, caption: str) -> list[str]:
+    return [f"![{caption}]({path.relative_to(out).as_posix()})", ""]
+
+
+def _not_in_grid(name: str) -> list[str]:
+    return [f"{name} is not part of this grid (no `analyses` entry for it, or the quick grid leaves its arms out).", ""]
+
+
+def _intro(grid: _Grid, command: str) -> list[str]:
+    c, plan = grid.plan.config, grid.plan
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return [
+        f"# Experiment report: `{c.name}`", "",
+        *([c.description.strip(), ""] if c.description else []),
+        f"- Grid: `{plan.source}`: {len(plan.arms)} arms, seeds {list(c.seeds)}, {len(plan.runs)} runs of `hetrl train` "
+        "(each arm's base config and overrides in Appendix C).",
+        f"- Command: `{command}`; report written {when}.",
+        "- **Where every number comes from.** Each run's metrics are in this directory, "
+        "`runs/<arm>/s<seed>/metrics.jsonl` (one JSON object per step). Appendix A lists each run's per-run values, "
+        f"Appendix B defines each value by the metric keys and the rule it is computed with (also in `{MEASURES_FILE}`). "
+        "An arm's figure is over its runs: `mean ± sd [95% CI]`, the CI being mean ± t(n−1)·sd/√n. Ratios of means "
+        f"have {LEVEL:.0%} percentile-bootstrap CIs over runs ({BOOTSTRAP_RESAMPLES} resamples, each arm resampled "
+        "independently), differences of means Welch t CIs. `(no CI)`: fewer than two runs.", "",
+    ]
+
+
+def _claims(claims: Sequence[Claim]) -> list[str]:
+    lines = [SECTIONS[0], ""]
+    for claim in claims:
+        lines += [f"### Claim {claim.number} ({claim.experiment}): {claim.text}", "", f"**Verdict: {claim.verdict}.**", ""]
+        if claim.findings:
+            lines += _table(["finding tested", "measured (95% CI) and source", "verdict"],
+                            [[f.statement, f.measured, f.verdict] for f in claim.findings])
+    return lines + ["**Verdict rules.** " + VERDICT_RULES, ""]
+
+
+def _e1(grid: _Grid, out: pathlib.Path, claim: Claim) -> list[str]:
+    e1 = grid.plan.config.analyses.e1
+    if e1 is None:
+        return [SECTIONS[1], "", *_not_in_grid("E1")]
+    arms = [e1.mixed, e1.homogeneous]
+    png = plots.curves(out / "plots" / "e1_k3.png", "E1: sampler–trainer KL k3", "mismatch/k3",
+                       grid.arm_records(arms), "mismatch/k3", log=True)
+    return [SECTIONS[1], "", f"Mixed fleet `{e1.mixed}` against homogeneous fleet `{e1.homogeneous}`.", "",
+            *_arm_table(grid, arms, ["k3_mean", "k3_slope", "masked_frac"]),
+            f"Ratio of mean KL k3, mixed / homogeneous: {claim.findings[0].measured}; the public result saw "
+            f"{e1.claimed_ratio:g}x: **{claim.findings[0].verdict}**.", "",
+            *_figure(out, png, "KL k3 over steps")]
+
+
+def _e2(grid: _Grid, out: pathlib.Path) -> list[str]:
+    e2 = grid.plan.config.analyses.e2
+    if e2 is None:
+        return [SECTIONS[2], "", *_not_in_grid("E2")]
+    records = grid.arm_records(e2.arms)
+    figures = [
+        plots.curves(out / "plots" / "e2_heldout.png", "E2: held-out success", "eval/success", records, "eval/success"),
+        plots.curves(out / "plots" / "e2_k3.png", "E2: sampler–trainer KL k3", "mismatch/k3", records, "mismatch/k3",
+                     log=True),
+        plots.curves(out / "plots" / "e2_grad_norm.png", "E2: gradient norm", "grad_norm", records, "grad_norm", log=True),
+    ]
+    captions = ["held-out success over steps", "KL k3 over steps", "gradient norm over steps"]
+    return [SECTIONS[2], "", "Held-out score, KL trend and gradient-norm spikes per arm "
+            f"(a spike: `grad_norm` above {grid.plan.config.grad_spike_factor:g}x the run's median).", "",
+            *_arm_table(grid, e2.arms, ["heldout_start", "heldout_end", "heldout_change", "k3_mean", "k3_slope",
+                                        "grad_spikes", "masked_frac"]),
+            *(line for png, caption in zip(figures, captions) for line in _figure(out, png, caption))]
+
+
+def _e3(grid: _Grid, out: pathlib.Path, claim: Claim) -> list[str]:
+    arms = grid.plan.arms
+    png = plots.interval_bars(out / "plots" / "e3_cost.png", "E3: cost per million trained tokens (95% CI)",
+                              "USD / M trained tokens", {a: grid.estimate(a, "usd_per_mtok") for a in arms})
+    lines = [SECTIONS[3], "", "Cost of every arm's fleet (the `modelled` cost clock of the base configs: generated "
+             "tokens / modelled throughput x list price, so the figures compare fleets, not this CPU).", "",
+             *_arm_table(grid, arms, ["usd_per_mtok", "usd_per_point", "cost_usd", "trained_tokens", "heldout_end"]),
+             *_figure(out, png, "cost per million trained tokens")]
+    if claim.findings:
+        lines += [f"- {f.statement}: {f.measured}: **{f.verdict}**." for f in claim.findings] + [""]
+    return lines
+
+
+def _e4(grid: _Grid, out: pathlib.Path) -> list[str]:
+    e4 = grid.plan.config.analyses.e4
+    if e4 is None:
+        return [SECTIONS[4], "", *_not_in_grid("E4")]
+    arms = [e4.uncorrected, e4.corrected, e4.mixed_uncorrected]
+    png = plots.curves(out / "plots" / "e4_k3.png", "E4: KL k3, weight-aligned fleet vs mixed", "mismatch/k3",
+                       grid.arm_records(arms), "mismatch/k3", log=True)
+    return [SECTIONS[4], "", f"A fleet aligned in weight precision only, uncorrected `{e4.uncorrected}` and corrected "
+            f"`{e4.corrected}`, against the mixed fleet uncorrected `{e4.mixed_uncorrected}`. With mask replay on, the "
+            "corrected arm's k3 is measured on the replayed (renormalized) distribution, as its loss sees it.", "",
+            *_arm_table(grid, arms, ["k3_mean", "k3_slope", "masked_frac", "heldout_end"]),
+            *_figure(out, png, "KL k3 over steps")]
+
+
+def _mixture(grid: _Grid, out: pathlib.Path) -> list[str]:
+    pairs = grid.plan.mixtures
+    if not pairs:
+        return [SECTIONS[5], "", *_not_in_grid("The any-mixture sweep")]
+    rows, points, diffs = [], [], []
+    for pair in pairs:
+        k3 = grid.estimate(pair.uncorrected, "k3_mean")
+        plain, fixed = grid.estimate(pair.uncorrected, "heldout_end"), grid.estimate(pair.corrected, "heldout_end")
+        diffs.append(fixed.value - plain.value)
+        points.append((f"any{pair.fleet.index}", k3.value, plain.value, fixed.value))
+        rows.append([f"any{pair.fleet.index}", pair.fleet.describe(), BY_NAME["k3_mean"].format(k3.value),
+                     BY_NAME["k3_mean"].format(grid.estimate(pair.corrected, "k3_mean").value),
+                     BY_NAME["heldout_end"].format(plain.value), BY_NAME["heldout_end"].format(fixed.value),
+                     BY_NAME["heldout_change"].format(diffs[-1])])
+    png = plots.mixture_scatter(out / "plots" / "any_mixture.png", points)
+    paired = t_interval(diffs)
+    return [SECTIONS[5], "", f"{len(pairs)} random fleets (kinds, precisions and replica shares drawn from the "
+            "accelerator catalogue), each run uncorrected (`any<i>_uncorrected`) and corrected (`any<i>_corrected`). "
+            "Per fleet: the mean over its runs of each per-run value.", "",
+            *_table(["fleet", "pools (kind weight/KV x replicas)", "mean KL k3 uncorrected", "mean KL k3 corrected",
+                     "held-out end uncorrected", "held-out end corrected", "corrected − uncorrected"], rows),
+            f"Final held-out success, corrected − uncorrected, paired over fleets (t interval of the last column): "
+            f"{paired.format('+.3f', sd=True)}.", "",
+            *_figure(out, png, "any mixture: KL against final held-out success")]
+
+
+def _appendices(grid: _Grid) -> list[str]:
+    plan = grid.plan
+    per_run = _table(["run", "metrics file", *(m.name for m in MEASURES)],
+                     [[r.key, f"[{grid.files[r.key]}]({grid.files[r.key]})",
+                       *(m.format(grid.values[r.key][m.name]) for m in MEASURES)] for r in plan.runs])
+    definitions = _table(["value", "heading", "definition"], [[m.name, m.label, m.definition] for m in MEASURES])
+    first: dict[str, RunSpec] = {}
+    for r in plan.runs:
+        first.setdefault(r.arm, r)
+    arms = _table(["arm", "what it is", "base config", "overrides (`--set`, in order; then the seed)"],
+                  [[f"`{a}`", plan.describe(a) or "-", f"`{r.base.name}`",
+                    "<br>".join(f"`{o}`" for o in r.overrides[:-1]) or "-"] for a, r in first.items()])
+    return [SECTIONS[6], "", *per_run, SECTIONS[7], "",
+            f"`grad_spike_factor` = {plan.config.grad_spike_factor:g}.", "", *definitions, SECTIONS[8], "", *arms]
+
+
+def write_report(plan: ExperimentPlan, out: pathlib.Path, *, command: str) -> pathlib.Path:
+    """Write ``REPORT.md``, ``measures.json`` and the plots of the finished grid ``plan`` under ``out``."""
+    grid = _load(plan, out)
+    analyses, values = plan.config.analyses, grid.by_arm
+    claims = [claim_mismatch(analyses.e1, values), claim_cost(analyses.e3, values),
+              claim_partial_alignment(analyses.e4, values)]
+    lines = [*_intro(grid, command), *_claims(claims), *_e1(grid, out, claims[0]), *_e2(grid, out),
+             *_e3(grid, out, claims[1]), *_e4(grid, out), *_mixture(grid, out), *_appendices(grid)]
+    (out / MEASURES_FILE).write_text(json.dumps(
+        {"definitions": {m.name: m.definition for m in MEASURES}, "grad_spike_factor": plan.config.grad_spike_factor,
+         "runs": {k: {"metrics": grid.files[k], "values": {m: (x if math.isfinite(x) else None) for m, x in v.items()}}
+                  for k, v in grid.values.items()}}, indent=2, allow_nan=False), encoding="utf-8")
+    path = out / REPORT_FILE
+    path.write_text("\n".join(lines), encoding="utf-8")
+    return path

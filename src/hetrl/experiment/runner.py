@@ -1,0 +1,171 @@
+"""Runs an experiment grid: one ``hetrl train`` subprocess per run, ``jobs`` at a time, resumable.
+
+Run ``<arm>/s<seed>`` lives in ``<out>/runs/<arm>/s<seed>/``: the train command's
+``output_dir`` (so ``metrics.jsonl``, ``summary.json``, checkpoints, plots and TensorBoard
+events are there), with ``train.log`` (its stdout and stderr) and ``experiment_run.json`` (the
+run's spec: base config, overrides, steps) beside them. The command is::
+
+    python -m hetrl.cli train BASE --set <override>... --set output_dir=DIR
+        --set logging.jsonl_path=DIR/metrics.jsonl --set checkpointing.directory=DIR/checkpoints
+        --set logging.console=false
+
+**Resuming.** ``hetrl train`` writes ``summary.json`` once, after its last step
+(:meth:`hetrl.orchestrator.loop.AsyncOrchestrator.run`); a run is complete when it is there and
+its trainer ``version`` equals the run's steps. A complete run is never launched again. A
+directory without that marker is an interrupted run: it is removed and the run starts over. A
+directory whose ``experiment_run.json`` is missing or records other settings is refused
+(:class:`ExperimentError`), so a changed grid never silently mixes old and new runs.
+
+Every run's JAX compilations go to one persistent cache (``JAX_COMPILATION_CACHE_DIR``, default
+``<out>/jax-cache``): runs of the same shapes and numerics compile once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from hetrl.experiment.config import ExperimentError
+from hetrl.experiment.plan import ExperimentPlan, RunSpec
+
+__all__ = ["COMPLETE_MARKER", "SPEC_FILE", "LOG_FILE", "Launcher", "SubprocessLauncher", "GridOutcome",
+           "run_directory", "train_command", "is_complete", "run_grid"]
+
+COMPLETE_MARKER = "summary.json"
+SPEC_FILE = "experiment_run.json"
+LOG_FILE = "train.log"
+
+Launcher = Callable[[RunSpec, list[str], pathlib.Path], int]
+"""Runs ``argv`` for ``spec`` with its run directory; returns the exit status."""
+
+
+@dataclass(frozen=True)
+class SubprocessLauncher:
+    """Runs the train command as a child process with ``env``, its output into ``train.log``."""
+
+    env: Mapping[str, str]
+
+    def __call__(self, spec: RunSpec, argv: list[str], directory: pathlib.Path) -> int:
+        with (directory / LOG_FILE).open("w", encoding="utf-8") as log:
+            return subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=dict(self.env), check=False).returncode
+
+
+@dataclass
+class GridOutcome:
+    """What :func:`run_grid` did: runs ``completed`` (launched and finished), ``skipped`` (complete
+    before), ``failed`` (``(spec, exit status, log)``)."""
+
+    completed: list[RunSpec] = field(default_factory=list)
+    skipped: list[RunSpec] = field(default_factory=list)
+    failed: list[tuple[RunSpec, int, pathlib.Path]] = field(default_factory=list)
+
+
+def run_directory(out: pathlib.Path, spec: RunSpec) -> pathlib.Path:
+    return out / "runs" / spec.arm / f"s{spec.seed}"
+
+
+def train_command(spec: RunSpec, directory: pathlib.Path) -> list[str]:
+    """The ``hetrl train`` argv of ``spec`` writing into ``directory`` (module docstring)."""
+    outputs = [f"output_dir={directory}", f"logging.jsonl_path={directory / 'metrics.jsonl'}",
+               f"checkpointing.directory={directory / 'checkpoints'}", "logging.console=false"]
+    argv = [sys.executable, "-m", "hetrl.cli", "train", str(spec.base)]
+    for override in (*spec.overrides, *outputs):
+        argv += ["--set", override]
+    return argv
+
+
+def _record(spec: RunSpec) -> dict:
+    return {"arm": spec.arm, "seed": spec.seed, "base": str(spec.base), "overrides": list(spec.overrides),
+            "steps": spec.steps}
+
+
+def is_complete(spec: RunSpec, directory: pathlib.Path) -> bool:
+    """``summary.json`` is there and records ``spec.steps`` trainer steps."""
+    marker = directory / COMPLETE_MARKER
+    if not marker.exists():
+        return False
+    try:
+        return json.loads(marker.read_text(encoding="utf-8")).get("version") == spec.steps
+    except (OSError, ValueError):
+        return False
+
+
+def _check_directory(spec: RunSpec, directory: pathlib.Path) -> bool:
+    """Whether ``spec`` must run: False if complete; raises if ``directory`` holds anything else
+    than a run of ``spec``."""
+    if not directory.exists():
+        return True
+    try:
+        recorded = json.loads((directory / SPEC_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        recorded = None
+    if recorded != _record(spec):
+        raise ExperimentError(f"{directory} holds {'a run of other settings' if recorded else 'something else'} than "
+                              f"run {spec.key} of this grid; delete it or choose another --out")
+    return not is_complete(spec, directory)
+
+
+def _start(spec: RunSpec, directory: pathlib.Path) -> None:
+    if directory.exists():  # an interrupted run: start it over
+        shutil.rmtree(directory)
+    directory.mkdir(parents=True)
+    (directory / SPEC_FILE).write_text(json.dumps(_record(spec), indent=2), encoding="utf-8")
+
+
+def run_grid(plan: ExperimentPlan, out: pathlib.Path, *, jobs: int = 1, launcher: Launcher | None = None,
+             progress: bool = True) -> GridOutcome:
+    """Run every incomplete run of ``plan`` under ``out`` (module docstring), ``jobs`` at a time,
+    with a progress bar over runs unless ``progress`` is False. ``launcher`` (default: a
+    :class:`SubprocessLauncher` with the JAX cache set) starts one run."""
+    if jobs < 1:
+        raise ExperimentError(f"--jobs must be >= 1, got {jobs}")
+    if launcher is None:
+        launcher = SubprocessLauncher({**os.environ, "JAX_COMPILATION_CACHE_DIR":
+                                       os.environ.get("JAX_COMPILATION_CACHE_DIR", str(out.resolve() / "jax-cache"))})
+    outcome = GridOutcome()
+    todo = []
+    for spec in plan.runs:
+        (todo if _check_directory(spec, run_directory(out, spec)) else outcome.skipped).append(spec)
+    lock = threading.Lock()
+    running: list[str] = []
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.fields[running]}"))
+    with Progress(*columns, disable=not progress) as bar:
+        task = bar.add_task(f"{plan.config.name}: runs", total=len(plan.runs), completed=len(outcome.skipped),
+                            running="")
+
+        def one(spec: RunSpec) -> tuple[RunSpec, int]:
+            directory = run_directory(out, spec)
+            with lock:
+                running.append(spec.key)
+                bar.update(task, running="running " + ", ".join(running))
+            _start(spec, directory)
+            status = launcher(spec, train_command(spec, directory), directory)
+            with lock:
+                running.remove(spec.key)
+                bar.update(task, running=("running " + ", ".join(running)) if running else "")
+            return spec, status
+
+        pool = ThreadPoolExecutor(max_workers=jobs)
+        try:
+            for future in as_completed([pool.submit(one, spec) for spec in todo]):
+                spec, status = future.result()
+                directory = run_directory(out, spec)
+                if status == 0 and is_complete(spec, directory):
+                    outcome.completed.append(spec)
+                else:
+                    outcome.failed.append((spec, status, directory / LOG_FILE))
+                bar.advance(task)
+        finally:  # on Ctrl-C: start nothing more, wait for the runs in flight (they get the signal too)
+            pool.shutdown(wait=True, cancel_futures=True)
+    return outcome
