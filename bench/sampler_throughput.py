@@ -7,8 +7,8 @@ with torch-native attention from ``.venv-sglang``, see tests/sglang_server/) wit
 sampling (temperature 1, top_k 50, top_p 0.95), at batch sizes 1 / 8 / 32, prompts of 64 random
 tokens and exactly 128 new tokens (no stop token; transformers gets ``min_new_tokens=128``,
 SGLang ``ignore_eos``). The embedded sampler and the SGLang pool additionally record, per token,
-its log-prob and the kept support with log-probs (SGLang: its native sampling mask, plus a
-64-token log-prob head); transformers only returns token ids. The SGLang batch is sent as
+its log-prob and the kept support with log-probs (SGLang: its native sampling mask);
+transformers only returns token ids. The SGLang batch is sent as
 concurrent HTTP requests, which the server batches; client and server share the machine's cores.
 Two phases, each interleaved: transformers vs embedded, then (server started) embedded vs SGLang;
 the server's processes are up only in the second, since they slow torch's threads in the first.

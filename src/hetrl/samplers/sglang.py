@@ -11,7 +11,8 @@ its jobs on other replicas (:mod:`hetrl.samplers.fleet`). A 4xx answer is a bad 
 raised at once, never retried. ``api_key_env`` adds ``Authorization: Bearer <key>``.
 
 **Generation** posts ``/generate`` with token ids in (``input_ids``), the request's sampling
-parameters, ``return_logprob`` with ``top_logprobs_num = H`` (``server.top_logprobs_num``), and
+parameters, ``return_logprob`` (with ``top_logprobs_num = H``, ``server.top_logprobs_num``, when
+the support is the head or is rebuilt from it), and
 ``ignore_eos`` with the request's own ``stop_token_ids``, so it stops exactly where the embedded
 engine would. Each answer becomes a :class:`Generation`: the output ids; per token the weight
 version it was sampled with (``meta_info.weight_versions`` spans, else ``weight_version``, else
@@ -217,8 +218,9 @@ class ServerSampler:
                                 "max_new_tokens": r.max_new_tokens, "stop_token_ids": list(r.stop_token_ids),
                                 "ignore_eos": True, "skip_special_tokens": False, "no_stop_trim": True},
             "return_logprob": True,
-            "top_logprobs_num": self._head_size,
-            **({"return_sampling_mask": True, "sampling_logprobs_mode": "support"} if self._native_mask(r) else {}),
+            # the support: the server's sampling mask, or else the log-prob head it is rebuilt from
+            **({"return_sampling_mask": True, "sampling_logprobs_mode": "support"} if self._native_mask(r)
+               else {"top_logprobs_num": self._head_size}),
         }
 
     async def _generate_all(self, requests: Sequence[GenerationRequest], version: int) -> list[Generation]:

@@ -29,6 +29,7 @@ MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "token
 """Non-weight files of an HF checkpoint copied into every export (those the base has)."""
 
 _lock = threading.Lock()
+_verified: set[pathlib.Path] = set()  # exports this process checked against their manifest
 
 
 def export_directory(root: str | os.PathLike, version: int) -> pathlib.Path:
@@ -56,7 +57,9 @@ def export_weights(root: str | os.PathLike, version: int, weights: Mapping[str, 
                         raise
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
-    verify_manifest(target, required=True)
+        if target not in _verified:  # once per process, not once per replica
+            verify_manifest(target, required=True)
+            _verified.add(target)
     return target
 
 
@@ -67,3 +70,4 @@ def prune_exports(root: str | os.PathLike, keep: int) -> None:
     with _lock:
         for old in versions[: max(0, len(versions) - keep)]:
             shutil.rmtree(old, ignore_errors=True)
+            _verified.discard(old)
