@@ -10,6 +10,7 @@ import yaml
 
 from hetrl.cli import main
 from hetrl.config import (
+    translate_trainer_section,
     CONFIG_DIR,
     ConfigError,
     JaxTrainerSection,
@@ -21,6 +22,7 @@ from hetrl.config import (
 )
 from hetrl.core.correction import PRESETS
 from hetrl.trainer_jax.config import JaxTrainerConfig
+from hetrl.trainer_megatron.config import MegatronTrainerConfig
 
 SHIPPED = sorted(p.name for p in CONFIG_DIR.glob("*.yaml") if not p.name.startswith("experiment_"))  # run configs
 
@@ -89,6 +91,46 @@ def test_jax_trainer_config_is_composed_from_the_sections():
     assert (t.data.batch_size, t.checkpoint.every) == (5, 7) and t.optimizer == c.trainer.optimizer
     with pytest.raises(ConfigError, match="not 'jax'"):
         load_config("qwen3_b200_megatron.yaml").jax_trainer_config()
+
+
+def test_megatron_trainer_config_is_composed_from_the_sections():
+    c = load_config("qwen3_b200_megatron.yaml", ["correction.preset=mis", "checkpointing.every=9"])
+    t = c.trainer_config(world_size=8)
+    assert isinstance(t, MegatronTrainerConfig)
+    assert (t.parallel.tensor, t.parallel.pipeline, t.parallel.data) == (2, 1, 4)  # data_parallel -1: the rest
+    assert t.correction == PRESETS["mis"] and t.checkpoint.every == 9 and t.optimizer == c.trainer.optimizer
+    assert (t.bf16, t.micro_batch_size) == (c.trainer.bf16, c.trainer.micro_batch_size)
+    with pytest.raises(ConfigError, match="does not fill the 3 trainer rank"):
+        c.trainer_config(world_size=3)
+    with pytest.raises(ConfigError, match="not 'megatron'"):
+        load_config("tiny_mixed.yaml").megatron_trainer_config()
+
+
+def test_switching_the_trainer_translates_its_section():
+    """``trainer.kind=megatron`` on a JAX section (and back) keeps what both trainers share."""
+    jax_cfg = load_config("tiny_mixed.yaml", ["trainer.optimizer.schedule=cosine", "trainer.optimizer.total_steps=40",
+                                              "trainer.optimizer.min_lr_ratio=0.1"])
+    mega = load_config("tiny_mixed.yaml", ["trainer.optimizer.schedule=cosine", "trainer.optimizer.total_steps=40",
+                                           "trainer.optimizer.min_lr_ratio=0.1", "trainer.kind=megatron",
+                                           "trainer.micro_batch_size=4"])
+    assert isinstance(mega.trainer, MegatronTrainerSection) and mega.trainer.micro_batch_size == 4
+    assert mega.trainer.bf16 is (jax_cfg.trainer.compute_dtype == "bf16")
+    jo, mo = jax_cfg.trainer.optimizer, mega.trainer.optimizer
+    assert (mo.learning_rate, mo.warmup_steps, mo.grad_clip, mo.schedule) == (jo.learning_rate, jo.warmup_steps,
+                                                                             jo.grad_clip, "cosine")
+    assert mo.decay_steps == 40 and mo.min_learning_rate == pytest.approx(0.1 * jo.learning_rate)
+    back = load_config("tiny_mixed.yaml", ["trainer.optimizer.schedule=cosine", "trainer.optimizer.total_steps=40",
+                                           "trainer.optimizer.min_lr_ratio=0.1", "trainer.kind=megatron",
+                                           "trainer.kind=jax"])
+    assert back.trainer == jax_cfg.trainer
+    assert load_config("tiny_mixed.yaml", ["trainer.kind=jax"]).trainer == load_config("tiny_mixed.yaml").trainer
+    with pytest.raises(ConfigError, match="decay_vectors"):
+        load_config("tiny_mixed.yaml", ["trainer.optimizer.weight_decay=0.1", "trainer.optimizer.decay_vectors=true",
+                                        "trainer.kind=megatron"])
+    with pytest.raises(ConfigError, match="pipeline_parallel"):
+        load_config("qwen3_b200_megatron.yaml", ["trainer.pipeline_parallel=2", "trainer.kind=jax"])
+    with pytest.raises(ConfigError, match="'tpu' is not a trainer"):
+        translate_trainer_section({"kind": "jax"}, "tpu")
 
 
 # ---------------------------------------------------------------------- overrides
@@ -262,10 +304,13 @@ def test_cli_bad_value_exits_nonzero_naming_the_key(capsys):
     assert "async.max_staleness" in capsys.readouterr().err
 
 
-def test_cli_switching_trainer_kind_names_the_settings_that_do_not_fit(capsys):
-    # tiny_homogeneous.yaml carries JAX-trainer settings; as a megatron trainer they are refused by key
-    assert main(["train", "tiny_homogeneous.yaml", "--trainer", "megatron"]) == 1
-    assert "trainer.mesh" in capsys.readouterr().err
+def test_cli_switching_trainer_translates_the_section_or_names_what_does_not_fit(capsys):
+    assert main(["train", "tiny_homogeneous.yaml", "--trainer", "megatron", "--dry-run"]) == 0
+    trainer = yaml.safe_load(capsys.readouterr().out)["trainer"]
+    assert (trainer["kind"], trainer["bf16"]) == ("megatron", False)  # tiny_homogeneous trains in fp32
+    assert main(["train", "tiny_homogeneous.yaml", "--trainer", "megatron", "--dry-run",
+                 "--set", "trainer.optimizer.decay_vectors=true", "--set", "trainer.optimizer.weight_decay=0.1"]) == 1
+    assert "trainer.optimizer.decay_vectors" in capsys.readouterr().err
 
 
 def test_console_script_dry_run():

@@ -178,10 +178,10 @@ def test_quick_scales_the_grid_and_drops_analyses_without_their_arms(tmp_path):
 
 
 def test_the_default_grid_and_its_quick_scale_are_valid():
-    for quick, runs in ((False, 35), (True, 12)):
+    for quick, runs in ((False, 44), (True, 16)):
         config, source = load_experiment("experiment_default.yaml", quick=quick)
         plan = build_plan(config, source)
-        assert len(plan.runs) == runs and set(config.analyses.present()) == {"e1", "e2", "e3", "e4"}
+        assert len(plan.runs) == runs and set(config.analyses.present()) == {"e1", "e2", "e3", "e4", "megatron"}
         assert all(len(plan.runs_of(a)) == len(config.seeds) for a in config.arms)
 
 
@@ -204,7 +204,17 @@ def test_random_fleets_are_native_reproducible_and_stable_under_more_draws():
 
 
 # ====================================================================== fake runs: resuming and the report
-K3 = {"homog": 1e-4, "mixed": 4.7e-4, "fixed": 4.0e-4, "partial": 2e-4}
+K3 = {"homog": 1e-4, "mixed": 4.7e-4, "fixed": 4.0e-4, "partial": 2e-4, "homog_mg": 1e-4, "mixed_mg": 4.7e-4,
+      "fixed_mg": 4.0e-4}
+
+
+def _megatron_arms(data: dict) -> dict:
+    """``data`` (a grid) plus the Megatron copies of its homogeneous, mixed and corrected arms."""
+    for arm in ("homog", "mixed", "fixed"):
+        base = data["arms"][arm]
+        data["arms"][f"{arm}_mg"] = {"base": base["base"], "overrides": {"trainer.kind": "megatron", **base["overrides"]}}
+    data["analyses"]["megatron"] = {"homogeneous": "homog_mg", "mixed": "mixed_mg", "corrected": "fixed_mg"}
+    return data
 
 
 class FakeLauncher:
@@ -235,8 +245,9 @@ class FakeLauncher:
         return 0
 
 
-def _fake_plan(tmp_path, **extra) -> ExperimentPlan:
-    config, source = load_experiment(_write(tmp_path, _grid(defaults={"steps": 8}, **extra)))
+def _fake_plan(tmp_path, megatron: bool = False, **extra) -> ExperimentPlan:
+    data = _grid(defaults={"steps": 8}, **extra)
+    config, source = load_experiment(_write(tmp_path, _megatron_arms(data) if megatron else data))
     return build_plan(config, source)
 
 
@@ -268,7 +279,7 @@ def check_report(out: pathlib.Path, plan: ExperimentPlan) -> str:
     positions = [text.find("\n" + s + "\n") for s in SECTIONS]
     assert -1 not in positions and positions == sorted(positions), "a section is missing or out of order"
     verdicts = re.findall(r"\*\*Verdict: (.+?)\.\*\*", text)
-    assert len(verdicts) == 3, verdicts
+    assert len(verdicts) == 4, verdicts
     allowed = (claims.AGREES, claims.DISAGREES, claims.INCONCLUSIVE, claims.NO_INTERVAL, "not tested")
     assert all(v.startswith(allowed) for v in verdicts), verdicts
 
@@ -285,14 +296,17 @@ def check_report(out: pathlib.Path, plan: ExperimentPlan) -> str:
             assert len(rows(2, f"`{arm}`")) == 1, f"E2 table has no row for {arm}"
     for arm in plan.arms:
         assert len(rows(3, f"`{arm}`")) == 1, f"E3 table has no row for {arm}"
-        assert len(rows(8, f"`{arm}`")) == 1, f"Appendix C has no row for {arm}"
+        assert len(rows(9, f"`{arm}`")) == 1, f"Appendix C has no row for {arm}"
     for run in plan.runs:
-        assert len(rows(6, run.key)) == 1, f"Appendix A has no row for {run.key}"
+        assert len(rows(7, run.key)) == 1, f"Appendix A has no row for {run.key}"
+    if analyses.megatron is not None:
+        for arm in analyses.megatron.references().values():
+            assert len(rows(6, f"`{arm}`")) == 1, f"the Megatron table has no row for {arm}"
     for pair in plan.mixtures:
         assert len(rows(5, f"any{pair.fleet.index}")) == 1
     figures = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
     expected_figures = 1 + (3 if analyses.e2 else 0) + (1 if analyses.e1 else 0) + (1 if analyses.e4 else 0) + (
-        1 if plan.mixtures else 0)
+        1 if plan.mixtures else 0) + (2 if analyses.megatron else 0)
     assert len(figures) == expected_figures, figures
     for fig in figures:
         assert (out / fig).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", fig
@@ -305,14 +319,15 @@ def check_report(out: pathlib.Path, plan: ExperimentPlan) -> str:
 
 
 def test_report_on_synthetic_runs_is_complete_and_judges_the_claims(tmp_path):
-    plan, out = _fake_plan(tmp_path, any_mixture={"fleets": 2, "seed": 3}), tmp_path / "out"
+    plan, out = _fake_plan(tmp_path, megatron=True, any_mixture={"fleets": 2, "seed": 3}), tmp_path / "out"
     run_grid(plan, out, launcher=FakeLauncher(), progress=False)
     write_report(plan, out, command="hetrl experiment grid.yaml")
     text = check_report(out, plan)
     verdicts = re.findall(r"\*\*Verdict: (.+?)\.\*\*", text)
-    # the fake data is built to agree: 4.7x the KL (claim 1); the same score at 0.85x the cost (2); the weight-aligned
-    # fleet at 2/4.7 of the mixed KL, growing uncorrected and flat corrected (3)
-    assert verdicts == [claims.AGREES] * 3
+    # the fake data is built to agree: 4.7x the KL (claim 1, with either trainer); the same score at 0.85x the cost
+    # (2); the weight-aligned fleet at 2/4.7 of the mixed KL, growing uncorrected and flat corrected (3)
+    assert verdicts == [claims.AGREES] * 4
+    assert "### Claim 1 (E1, Megatron trainer)" in text
     assert "ratio of `k3_mean` of `runs/mixed/s*/metrics.jsonl`" in text
     # the verdicts follow the data: with the mixed fleet at the homogeneous KL, claim 1 disagrees, and so does claim 3
     # (the weight-aligned fleet is then above the mixed one)
@@ -320,7 +335,7 @@ def test_report_on_synthetic_runs_is_complete_and_judges_the_claims(tmp_path):
     run_grid(plan, out2, launcher=FakeLauncher(k3={**K3, "mixed": 1e-4}), progress=False)
     write_report(plan, out2, command="x")
     verdicts = re.findall(r"\*\*Verdict: (.+?)\.\*\*", (out2 / REPORT_FILE).read_text())
-    assert verdicts == [claims.DISAGREES, claims.AGREES, claims.DISAGREES]
+    assert verdicts == [claims.DISAGREES, claims.AGREES, claims.DISAGREES, claims.AGREES]  # the Megatron arms kept 4.7x
 
 
 def test_the_report_check_catches_an_incomplete_report(tmp_path):

@@ -459,6 +459,8 @@ def test_two_ranks_match_one(name, multi_process, parity, batches):
 @pytest.mark.parametrize("name", sorted(RESUME_CONFIGS))
 def test_dist_checkpoint_resumes_exactly(name, resumed):
     (first, first_arrays), (second, second_arrays) = resumed
+    assert first[f"{name}.saved"] and not first[f"{name}.saved_unforced"]
+    assert second[f"{name}.steps_on_disk"] == [1]  # the interrupted save of step 2 is not a checkpoint
     assert second[f"{name}.restored_step"] == 1
     assert first[f"{name}.loss_after_save"] == second[f"{name}.loss_after_restore"]
     assert first[f"{name}.loss_after_save"] != first[f"{name}.loss_before_save"]
@@ -613,20 +615,23 @@ def worker_parity(out: pathlib.Path, ckpts: dict[str, str], batches: dict[str, l
     return result, arrays
 
 
-def _resume_trainer(ckpt: str, name: str):
+def _resume_trainer(ckpt: str, name: str, directory: pathlib.Path):
     from hetrl.trainer_megatron import MegatronTrainer
 
-    return MegatronTrainer.from_hf(ckpt, _trainer_config(RESUME_CONFIGS[name]))
+    return MegatronTrainer.from_hf(ckpt, _trainer_config({**RESUME_CONFIGS[name], "checkpoint": {"directory": str(directory)}}))
 
 
 def worker_resume_save(out: pathlib.Path, ckpts: dict[str, str], batches: dict[str, list[RolloutBatch]]) -> tuple[dict, dict]:
     result, arrays = {}, {}
     first, second = batches["qwen3"]
     for name in sorted(RESUME_CONFIGS):
-        trainer = _resume_trainer(ckpts["qwen3"], name)
+        trainer = _resume_trainer(ckpts["qwen3"], name, out.parent / f"ckpt_{name}")
         result[f"{name}.loss_before_save"] = trainer.train_step(first)["loss"]
-        trainer.save(out.parent / f"ckpt_{name}")
+        result[f"{name}.saved"] = trainer.save()
         metrics = trainer.train_step(second)
+        result[f"{name}.saved_unforced"] = trainer.save(force=False)  # checkpoint.every = 0: explicit saves only
+        (out.parent / f"ckpt_{name}" / "2.partial").mkdir()  # a save of step 2 killed halfway
+        (out.parent / f"ckpt_{name}" / "2.partial" / "metadata.json").write_text("{")
         result[f"{name}.loss_after_save"] = metrics["loss"]
         result[f"{name}.learning_rate_after_save"] = metrics["learning_rate"]
         arrays.update({f"{name}.{k}": v.astype(np.float32) for k, v in trainer.export_hf_weights().items()})
@@ -636,8 +641,9 @@ def worker_resume_save(out: pathlib.Path, ckpts: dict[str, str], batches: dict[s
 def worker_resume_load(out: pathlib.Path, ckpts: dict[str, str], batches: dict[str, list[RolloutBatch]]) -> tuple[dict, dict]:
     result, arrays = {}, {}
     for name in sorted(RESUME_CONFIGS):
-        trainer = _resume_trainer(ckpts["qwen3"], name)
-        result[f"{name}.restored_step"] = trainer.restore(out.parent / f"ckpt_{name}")
+        trainer = _resume_trainer(ckpts["qwen3"], name, out.parent / f"ckpt_{name}")
+        result[f"{name}.steps_on_disk"] = trainer.checkpoint_steps()
+        result[f"{name}.restored_step"] = trainer.restore()
         metrics = trainer.train_step(batches["qwen3"][1])
         result[f"{name}.loss_after_restore"] = metrics["loss"]
         result[f"{name}.learning_rate_after_restore"] = metrics["learning_rate"]

@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config value, e.g. --set fleet.pools[0].replicas=2 (value parsed as YAML)")
     train.add_argument("--trainer", choices=("jax", "megatron"), default=None,
-                       help="shorthand for --set trainer.kind=...")
+                       help="train with this trainer: the config's trainer section is translated to it (before any --set)")
     train.add_argument("--backend", choices=("local", "ray"), default=None,
                        help="shorthand for --set backend=...: threads in one process, or Ray actors")
     train.add_argument("--dry-run", action="store_true", help="print the resolved config as YAML and exit")
@@ -53,7 +53,7 @@ def _train(args: argparse.Namespace) -> int:
     ``--dry-run`` print it resolved and exit 0; otherwise train (exit 0 when every step ran)."""
     from hetrl.config import ConfigError, load_config
 
-    overrides = (list(args.overrides) + ([f"trainer.kind={args.trainer}"] if args.trainer else [])
+    overrides = (([f"trainer.kind={args.trainer}"] if args.trainer else []) + list(args.overrides)
                  + ([f"backend={args.backend}"] if args.backend else []))
     try:
         config = load_config(args.config, overrides)

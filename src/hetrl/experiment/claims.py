@@ -126,12 +126,13 @@ def _src(arm: str, measure: str) -> str:
     return f"`{measure}` of `runs/{arm}/s*/metrics.jsonl`"
 
 
-def claim_mismatch(e1: MismatchAnalysis | None, values: ArmValues) -> Claim:
-    """Claim 1: bootstrap ratio of mean ``k3_mean``, mixed over homogeneous, equals the claimed factor."""
+def claim_mismatch(e1: MismatchAnalysis | None, values: ArmValues, experiment: str = "E1") -> Claim:
+    """Claim 1: bootstrap ratio of mean ``k3_mean``, mixed over homogeneous, equals the claimed
+    factor (``experiment`` names the comparison, e.g. E1 with another trainer)."""
     if e1 is None:
-        return Claim(1, CLAIM_TEXTS[1], "E1", ())
+        return Claim(1, CLAIM_TEXTS[1], experiment, ())
     ratio = bootstrap_ratio(column(values, e1.mixed, "k3_mean"), column(values, e1.homogeneous, "k3_mean"))
-    return Claim(1, CLAIM_TEXTS[1], "E1", (Finding(
+    return Claim(1, CLAIM_TEXTS[1], experiment, (Finding(
         f"mean KL k3 ratio `{e1.mixed}` / `{e1.homogeneous}` = {e1.claimed_ratio:g}",
         f"{ratio.format('.2f')} (ratio of {_src(e1.mixed, 'k3_mean')} over {_src(e1.homogeneous, 'k3_mean')})",
         ratio_verdict(ratio, e1.claimed_ratio)),))

@@ -41,7 +41,7 @@ from hetrl.samplers.profiles import CATALOGUE, REFERENCE_KIND
 
 __all__ = [
     "ExperimentError", "Overrides", "ArmConfig", "AnyMixtureConfig", "MismatchAnalysis", "StabilityAnalysis",
-    "CostAnalysis", "PartialAlignmentAnalysis", "Analyses", "QuickConfig", "ExperimentConfig", "load_experiment",
+    "CostAnalysis", "PartialAlignmentAnalysis", "TrainerAnalysis", "Analyses", "QuickConfig", "ExperimentConfig", "load_experiment",
 ]
 
 Overrides = dict[str, Any]
@@ -153,6 +153,21 @@ class PartialAlignmentAnalysis(_Analysis):
     mixed_uncorrected: str
 
 
+class TrainerAnalysis(_Analysis):
+    """E1 and E2's main arms again with the Megatron trainer (``--trainer megatron``): its
+    ``homogeneous`` and ``mixed`` arms uncorrected (E1's KL ratio, claimed ``claimed_ratio``) and
+    its ``corrected`` mixed arm (E2: does the correction keep the score on the mixed fleet?)."""
+
+    homogeneous: str
+    mixed: str
+    corrected: str
+    claimed_ratio: float = Field(4.7, gt=0.0)
+
+    def mismatch(self) -> MismatchAnalysis:
+        """The E1 comparison of this trainer's arms."""
+        return MismatchAnalysis(mixed=self.mixed, homogeneous=self.homogeneous, claimed_ratio=self.claimed_ratio)
+
+
 class Analyses(_Strict):
     """The named experiments; each is optional (a grid without it reports it as not run)."""
 
@@ -160,6 +175,7 @@ class Analyses(_Strict):
     e2: StabilityAnalysis | None = None
     e3: CostAnalysis | None = None
     e4: PartialAlignmentAnalysis | None = None
+    megatron: TrainerAnalysis | None = None
 
     def present(self) -> dict[str, _Analysis]:
         return {k: v for k in type(self).model_fields if (v := getattr(self, k)) is not None}

@@ -5,7 +5,8 @@ directory: per-run values by the rules of :mod:`hetrl.experiment.measures` (list
 report's Appendix A, defined in Appendix B, and written to ``measures.json``), aggregated over
 runs by :mod:`hetrl.experiment.statistics`, and set against the public claims by
 :mod:`hetrl.experiment.claims`. Sections: the claims with their verdicts, E1 mismatch, E2
-stability, E3 cost, E4 partial alignment, the any-mixture sweep, and the appendices. An analysis
+stability, E3 cost, E4 partial alignment, the any-mixture sweep, E1 and E2's main arms with the
+Megatron trainer, and the appendices. An analysis
 the grid does not include says so instead of a table.
 """
 
@@ -23,7 +24,7 @@ from hetrl.experiment.claims import VERDICT_RULES, Claim, claim_cost, claim_mism
 from hetrl.experiment.measures import BY_NAME, MEASURES, Records, load_records, run_values
 from hetrl.experiment.plan import ExperimentPlan, RunSpec
 from hetrl.experiment.runner import run_directory
-from hetrl.experiment.statistics import BOOTSTRAP_RESAMPLES, LEVEL, Estimate, t_interval
+from hetrl.experiment.statistics import BOOTSTRAP_RESAMPLES, LEVEL, Estimate, bootstrap_ratio, t_interval, welch_interval
 
 __all__ = ["REPORT_FILE", "MEASURES_FILE", "SECTIONS", "write_report"]
 
@@ -31,6 +32,7 @@ REPORT_FILE = "REPORT.md"
 MEASURES_FILE = "measures.json"
 SECTIONS = ("## The public result's claims", "## E1 — sampler–trainer mismatch", "## E2 — stability",
             "## E3 — cost", "## E4 — partial alignment", "## Any mixture — random fleets",
+            "## Megatron trainer — E1 and E2's main arms",
             "## Appendix A — per-run values", "## Appendix B — definitions", "## Appendix C — arms")
 """The report's section headings, in order."""
 
@@ -199,6 +201,35 @@ def _mixture(grid: _Grid, out: pathlib.Path) -> list[str]:
             *_figure(out, png, "any mixture: KL against final held-out success")]
 
 
+def _megatron(grid: _Grid, out: pathlib.Path, claim: Claim) -> list[str]:
+    m = grid.plan.config.analyses.megatron
+    if m is None:
+        return [SECTIONS[6], "", *_not_in_grid("The Megatron comparison")]
+    arms = [m.homogeneous, m.mixed, m.corrected]
+    records = grid.arm_records(arms)
+    figures = [
+        plots.curves(out / "plots" / "megatron_k3.png", "Megatron trainer: sampler–trainer KL k3", "mismatch/k3",
+                     records, "mismatch/k3", log=True),
+        plots.curves(out / "plots" / "megatron_heldout.png", "Megatron trainer: held-out success", "eval/success",
+                     records, "eval/success"),
+    ]
+    kept = welch_interval(column(grid.by_arm, m.corrected, "heldout_end"), column(grid.by_arm, m.homogeneous, "heldout_end"))
+    lines = [SECTIONS[6], "", f"The same runs with `hetrl train --trainer megatron` (megatron-core, the config's trainer "
+             f"section translated): homogeneous `{m.homogeneous}` and mixed `{m.mixed}` uncorrected, mixed corrected "
+             f"`{m.corrected}`.", "",
+             *_arm_table(grid, arms, ["heldout_start", "heldout_end", "heldout_change", "k3_mean", "k3_slope",
+                                      "grad_spikes", "masked_frac"]),
+             f"- Ratio of mean KL k3, mixed / homogeneous: {claim.findings[0].measured}; the public result saw "
+             f"{m.claimed_ratio:g}x: **{claim.findings[0].verdict}**.",
+             f"- Final held-out success, `{m.corrected}` − `{m.homogeneous}`: {kept.format('+.3f')} (Welch).", ""]
+    e1 = grid.plan.config.analyses.e1
+    if e1 is not None:
+        jax = bootstrap_ratio(column(grid.by_arm, e1.mixed, "k3_mean"), column(grid.by_arm, e1.homogeneous, "k3_mean"))
+        lines += [f"- The same ratio with the JAX trainer (`{e1.mixed}` / `{e1.homogeneous}`): {jax.format('.2f')}.", ""]
+    return lines + [line for png, caption in zip(figures, ["KL k3 over steps", "held-out success over steps"])
+                    for line in _figure(out, png, caption)]
+
+
 def _appendices(grid: _Grid) -> list[str]:
     plan = grid.plan
     per_run = _table(["run", "metrics file", *(m.name for m in MEASURES)],
@@ -211,18 +242,21 @@ def _appendices(grid: _Grid) -> list[str]:
     arms = _table(["arm", "what it is", "base config", "overrides (`--set`, in order; then the seed)"],
                   [[f"`{a}`", plan.describe(a) or "-", f"`{r.base.name}`",
                     "<br>".join(f"`{o}`" for o in r.overrides[:-1]) or "-"] for a, r in first.items()])
-    return [SECTIONS[6], "", *per_run, SECTIONS[7], "",
-            f"`grad_spike_factor` = {plan.config.grad_spike_factor:g}.", "", *definitions, SECTIONS[8], "", *arms]
+    return [SECTIONS[7], "", *per_run, SECTIONS[8], "",
+            f"`grad_spike_factor` = {plan.config.grad_spike_factor:g}.", "", *definitions, SECTIONS[9], "", *arms]
 
 
 def write_report(plan: ExperimentPlan, out: pathlib.Path, *, command: str) -> pathlib.Path:
     """Write ``REPORT.md``, ``measures.json`` and the plots of the finished grid ``plan`` under ``out``."""
     grid = _load(plan, out)
     analyses, values = plan.config.analyses, grid.by_arm
+    megatron = claim_mismatch(analyses.megatron.mismatch() if analyses.megatron else None, values,
+                              experiment="E1, Megatron trainer")
     claims = [claim_mismatch(analyses.e1, values), claim_cost(analyses.e3, values),
-              claim_partial_alignment(analyses.e4, values)]
+              claim_partial_alignment(analyses.e4, values), megatron]
     lines = [*_intro(grid, command), *_claims(claims), *_e1(grid, out, claims[0]), *_e2(grid, out),
-             *_e3(grid, out, claims[1]), *_e4(grid, out), *_mixture(grid, out), *_appendices(grid)]
+             *_e3(grid, out, claims[1]), *_e4(grid, out), *_mixture(grid, out), *_megatron(grid, out, megatron),
+             *_appendices(grid)]
     (out / MEASURES_FILE).write_text(json.dumps(
         {"definitions": {m.name: m.definition for m in MEASURES}, "grad_spike_factor": plan.config.grad_spike_factor,
          "runs": {k: {"metrics": grid.files[k], "values": {m: (x if math.isfinite(x) else None) for m, x in v.items()}}

@@ -1,7 +1,7 @@
 """The LOCAL backend of the asynchronous loop (DESIGN §5): one process, threads.
 
 The loop itself is :class:`hetrl.orchestrator.loop.AsyncOrchestrator`; here every replica's
-embedded sampler and the JAX trainer are plain objects in the driver process, called directly
+embedded sampler and the trainer (JAX or Megatron) are plain objects in the driver process, called directly
 from the rollout workers and the trainer loop (JAX releases the GIL while it computes).
 """
 
@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hetrl.orchestrator.loop import AsyncOrchestrator, TrainerHandle, build_embedded_sampler, build_jax_trainer
+from hetrl.orchestrator.loop import AsyncOrchestrator, TrainerHandle, build_embedded_sampler, build_trainer
 from hetrl.samplers.base import Sampler
 from hetrl.samplers.profiles import SamplerNumerics
 
 if TYPE_CHECKING:
     from hetrl.trainer_jax.config import JaxTrainerConfig
+    from hetrl.trainer_megatron.config import MegatronTrainerConfig
 
 __all__ = ["LocalOrchestrator"]
 
@@ -27,5 +28,5 @@ class LocalOrchestrator(AsyncOrchestrator):
     def _create_sampler(self, numerics: SamplerNumerics, *, pool: str, seed: int) -> Sampler:
         return build_embedded_sampler(self.model_dir, numerics, pool=pool, seed=seed)
 
-    def _create_trainer(self, config: "JaxTrainerConfig") -> TrainerHandle:
-        return build_jax_trainer(self.model_dir, config)
+    def _create_trainer(self, config: "JaxTrainerConfig | MegatronTrainerConfig") -> TrainerHandle:
+        return build_trainer(self.model_dir, config)

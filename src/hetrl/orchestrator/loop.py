@@ -6,7 +6,8 @@ Ray actors) only decides where the samplers and the trainer run and how calls re
 implements :meth:`AsyncOrchestrator._create_sampler` (an object with the
 :class:`hetrl.samplers.base.Sampler` protocol, built by :func:`build_embedded_sampler`) and
 :meth:`AsyncOrchestrator._create_trainer` (a :class:`TrainerHandle`, built by
-:func:`build_jax_trainer`), and may start and stop its machinery. Everything below is the same
+:func:`build_trainer`: the JAX or the Megatron trainer, as ``trainer.kind`` says), and may start
+and stop its machinery. Everything below is the same
 for all backends.
 
 Threads of the driver:
@@ -57,7 +58,9 @@ restores the newest checkpoint and its buffer snapshot.
 reference (unquantized fp32) embedded sampler, greedy (``top_k=1``) or at temperature 1;
 ``eval/success`` is the fraction whose hidden tests all pass, ``eval/reward`` the mean reward.
 
-Only ``trainer.kind: jax`` runs here.
+The trainer is the JAX trainer or the Megatron trainer (``trainer.kind``; the Megatron one as a
+single rank, in the driver or in one Ray actor). Both take the same batches and publish HF
+weights, so nothing else in the loop depends on which.
 """
 
 from __future__ import annotations
@@ -93,9 +96,10 @@ from hetrl.samplers.profiles import SamplerNumerics, sampler_numerics
 
 if TYPE_CHECKING:
     from hetrl.trainer_jax.config import JaxTrainerConfig
+    from hetrl.trainer_megatron.config import MegatronTrainerConfig
 
 __all__ = ["EvalOptions", "SyntheticEnvOptions", "TrainerHandle", "AsyncOrchestrator", "RunResult",
-           "SamplerWrapper", "Retracted", "build_embedded_sampler", "build_jax_trainer", "SAMPLER_BATCH", "write_atomic"]
+           "SamplerWrapper", "Retracted", "build_embedded_sampler", "build_trainer", "SAMPLER_BATCH", "write_atomic"]
 
 SamplerWrapper = Callable[[PoolConfig, int, Sampler], Sampler]
 """Wraps replica ``index`` of a pool (tests: slow or failing pools); must keep ``info``."""
@@ -171,8 +175,16 @@ def build_embedded_sampler(model_dir: str | pathlib.Path, numerics: SamplerNumer
                                            batch_buckets=(SAMPLER_BATCH,))
 
 
-def build_jax_trainer(model_dir: str | pathlib.Path, config: "JaxTrainerConfig") -> TrainerHandle:
-    """The JAX trainer initialized from the checkpoint in ``model_dir``."""
+def build_trainer(model_dir: str | pathlib.Path, config: "JaxTrainerConfig | MegatronTrainerConfig") -> TrainerHandle:
+    """The trainer ``config`` configures (:class:`hetrl.trainer_jax.trainer.JaxTrainer` or
+    :class:`hetrl.trainer_megatron.trainer.MegatronTrainer`), initialized from the HF
+    checkpoint in ``model_dir``."""
+    from hetrl.trainer_megatron.config import MegatronTrainerConfig
+
+    if isinstance(config, MegatronTrainerConfig):
+        from hetrl.trainer_megatron.trainer import MegatronTrainer
+
+        return MegatronTrainer.from_hf(model_dir, config)
     from hetrl.trainer_jax.trainer import JaxTrainer
 
     return JaxTrainer.from_hf(model_dir, config)
@@ -228,14 +240,16 @@ class AsyncOrchestrator(abc.ABC):
     """The backend's name (``config.backend``)."""
 
     def __init__(self, config: RunConfig, *, wrap_sampler: SamplerWrapper | None = None, console: bool | None = None):
-        if config.trainer.kind != "jax":
-            raise ConfigError(f"trainer.kind {config.trainer.kind!r}: the {self.backend} loop runs the JAX trainer only for now")
         if config.environment.name != "synthetic":
             raise ConfigError(f"environment.name {config.environment.name!r}: the {self.backend} loop runs 'synthetic' only for now")
         try:
             self.options = SyntheticEnvOptions.model_validate(config.environment.options)
         except Exception as err:
             raise ConfigError(f"environment.options: {err}") from None
+        try:
+            self.trainer_config = config.trainer_config(world_size=1)
+        except ConfigError as err:
+            raise ConfigError(f"{err} (the loop runs the trainer as one rank)") from None
         self.config = config
         self.wrap_sampler = wrap_sampler
         self.console = config.logging.console if console is None else console
@@ -256,14 +270,12 @@ class AsyncOrchestrator(abc.ABC):
         """``build_embedded_sampler(self.model_dir, numerics, pool=pool, seed=seed)``, wherever it runs."""
 
     @abc.abstractmethod
-    def _create_trainer(self, config: "JaxTrainerConfig") -> TrainerHandle:
-        """``build_jax_trainer(self.model_dir, config)``, wherever it runs."""
+    def _create_trainer(self, config: "JaxTrainerConfig | MegatronTrainerConfig") -> TrainerHandle:
+        """``build_trainer(self.model_dir, config)``, wherever it runs."""
 
     # ================================================================== setup
     def _setup(self) -> None:
         from tokenizers import Tokenizer
-
-        from hetrl.trainer_jax.config import CheckpointConfig
 
         cfg = self.config
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -285,10 +297,8 @@ class AsyncOrchestrator(abc.ABC):
         self.suite = suite
         self.eval_tasks = suite.heldout[: self.options.eval.tasks]
 
-        tcfg = cfg.jax_trainer_config()
-        tcfg = tcfg.model_copy(update={"checkpoint": CheckpointConfig(
-            directory=str(self.checkpoint_dir.resolve()), every=tcfg.checkpoint.every, keep=tcfg.checkpoint.keep,
-            async_save=tcfg.checkpoint.async_save)})
+        tcfg = self.trainer_config.model_copy(update={"checkpoint": self.trainer_config.checkpoint.model_copy(
+            update={"directory": str(self.checkpoint_dir.resolve())})})
         self.needs_old_logprobs = tcfg.correction.ppo_clip is not None
         self.trainer = self._create_trainer(tcfg)
         self.fleet = Fleet.from_config(cfg.fleet, self._make_sampler)

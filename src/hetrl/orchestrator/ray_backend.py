@@ -7,7 +7,7 @@ logs, and reaches the actors through two proxies with the interfaces the loop al
 
 * :class:`RaySampler` (the :class:`hetrl.samplers.base.Sampler` protocol) over an actor hosting
   :func:`build_embedded_sampler` (one per replica, and one for the held-out evaluation);
-* :class:`RayTrainer` (:class:`TrainerHandle`) over an actor hosting :func:`build_jax_trainer`.
+* :class:`RayTrainer` (:class:`TrainerHandle`) over an actor hosting :func:`build_trainer`.
 
 So the semantics are those of the local backend by construction: one generate call at a time
 per replica, weights loaded between calls (versions monotone per replica), the staleness bound of
@@ -40,12 +40,13 @@ import numpy as np
 import ray
 
 from hetrl.core.schema import RolloutBatch, SamplerInfo
-from hetrl.orchestrator.loop import AsyncOrchestrator, TrainerHandle, build_embedded_sampler, build_jax_trainer
+from hetrl.orchestrator.loop import AsyncOrchestrator, TrainerHandle, build_embedded_sampler, build_trainer
 from hetrl.samplers.base import Generation, GenerationRequest, Sampler, SamplerHealth
 from hetrl.samplers.profiles import SamplerNumerics
 
 if TYPE_CHECKING:
     from hetrl.trainer_jax.config import JaxTrainerConfig
+    from hetrl.trainer_megatron.config import MegatronTrainerConfig
 
 __all__ = ["RayOrchestrator", "RaySampler", "RayTrainer", "SharedWeights", "HostActor"]
 
@@ -190,8 +191,8 @@ class RayOrchestrator(AsyncOrchestrator):
         return RaySampler(self._host(build_embedded_sampler, self.model_dir, numerics, pool=pool, seed=seed),
                           self._weights)
 
-    def _create_trainer(self, config: "JaxTrainerConfig") -> TrainerHandle:
-        return RayTrainer(self._host(build_jax_trainer, self.model_dir, config))
+    def _create_trainer(self, config: "JaxTrainerConfig | MegatronTrainerConfig") -> TrainerHandle:
+        return RayTrainer(self._host(build_trainer, self.model_dir, config))
 
     def replica_actor(self, replica_key: str) -> "ray.actor.ActorHandle":
         """The actor of replica ``<pool>/<index>`` (once the run has set up its fleet)."""

@@ -5,8 +5,8 @@ clipping and a warmup schedule), the compute precision (``bf16``: FP32 master we
 matmuls with FP32 accumulation; ``fp32``: everything in FP32), the device mesh
 (:class:`MeshConfig`, axes ``data`` x ``fsdp`` x ``tensor``), the off-policy correction (a preset
 of :data:`hetrl.core.correction.PRESETS` plus field overrides), checkpointing
-(:class:`CheckpointConfig`), the prompt pipeline (:class:`PromptDataConfig`) and the multi-host
-start-up (:class:`DistributedConfig`).
+(:class:`hetrl.core.checkpoints.CheckpointConfig`), the prompt pipeline (:class:`PromptDataConfig`)
+and the multi-host start-up (:class:`DistributedConfig`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from hetrl.core.checkpoints import CheckpointConfig
 from hetrl.core.correction import CorrectionConfig, correction_preset
 
 MESH_AXES: tuple[str, str, str] = ("data", "fsdp", "tensor")
@@ -85,16 +86,6 @@ class OptimizerConfig(_Frozen):
         if self.schedule == "cosine" and (self.total_steps is None or self.total_steps <= self.warmup_steps):
             raise ValueError("schedule 'cosine' needs total_steps > warmup_steps")
         return self
-
-
-class CheckpointConfig(_Frozen):
-    """Orbax checkpoints under ``directory``: one every ``every`` steps (0: only explicit
-    saves), the newest ``keep`` retained (None: all)."""
-
-    directory: str | None = None
-    every: int = Field(0, ge=0)
-    keep: int | None = Field(3, gt=0)
-    async_save: bool = True
 
 
 class PromptDataConfig(_Frozen):

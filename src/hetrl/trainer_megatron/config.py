@@ -2,7 +2,7 @@
 
 :class:`ParallelConfig` (tensor x pipeline x data sizes), :class:`OptimizerSettings` (AdamW on
 megatron's learning-rate schedule) and :class:`MegatronTrainerConfig` (everything the trainer
-needs besides the checkpoint).
+needs besides the model's weights, checkpoint policy included).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from hetrl.core.checkpoints import CheckpointConfig
 from hetrl.core.correction import CorrectionConfig, correction_preset
 
 
@@ -70,7 +71,8 @@ class MegatronTrainerConfig(_Frozen):
     backward (None: all local rows at once). ``parallel``: tensor and data parallelism (pipeline
     parallelism is refused: the model and weight mapping support stages, the step's metrics and
     log-probs do not yet). ``kernel_fusion``: megatron's fused kernels, which need CUDA plus
-    Apex / Transformer Engine.
+    Apex / Transformer Engine. ``checkpoint``: where :meth:`MegatronTrainer.save` writes
+    (one ``dist_checkpointing`` directory per step), how often and how many are kept.
     """
 
     bf16: bool = True
@@ -81,6 +83,7 @@ class MegatronTrainerConfig(_Frozen):
     correction_overrides: dict[str, Any] = Field(default_factory=dict)
     normalize_advantage_std: bool = False
     kernel_fusion: bool = False
+    checkpoint: CheckpointConfig = CheckpointConfig()
 
     @property
     def correction(self) -> CorrectionConfig:

@@ -21,7 +21,7 @@ supports ``[B, L, K]``), with θ the parameters:
 
 The model is wrapped in megatron's ``DistributedDataParallel`` (grad buffers, reduced in FP32).
 Checkpoints are megatron ``dist_checkpointing`` directories holding model, optimizer and
-scheduler state; weights for samplers are exported under HF names (:mod:`.weights`).
+scheduler state, one per step under ``config.checkpoint.directory`` (atomic: renamed once written); weights for samplers are exported under HF names (:mod:`.weights`).
 
 On a machine without CUDA the CPU test shim (:mod:`.cpu_shim`) is applied by
 :func:`.model.initialize_parallel`; scripts using the trainer need a ``__main__`` guard.
@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 from functools import partial
 from typing import Any, Iterator, Mapping
 
 import numpy as np
 import torch
 
+from hetrl.core.checkpoints import complete_steps
 from hetrl.core.correction import (
     LossInputs, TokenStats, grpo_advantages, mismatch_metrics, policy_loss,
     replay_logprobs, token_entropy,
@@ -196,7 +198,8 @@ class MegatronTrainer:
 
     def _tensors(self, batch: RolloutBatch, extra: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
         arrays = {name: batch.arrays[name] for name in STEP_FIELDS} | dict(extra)
-        return {name: torch.from_numpy(np.ascontiguousarray(a)).to(self.device) for name, a in arrays.items()}
+        # np.array copies: arrays from Ray's object store are read-only, torch tensors are not
+        return {name: torch.from_numpy(np.array(a, order="C")).to(self.device) for name, a in arrays.items()}
 
     def _micro_batches(self, tensors: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
         rows = next(iter(tensors.values())).shape[0]
@@ -333,7 +336,7 @@ class MegatronTrainer:
             "model_config": self.model_config.model_dump(mode="json"),
         }
 
-    def save(self, directory: str | os.PathLike) -> pathlib.Path:
+    def save_to(self, directory: str | os.PathLike) -> pathlib.Path:
         """Write model, optimizer and scheduler state, :attr:`step` and the model config to
         ``directory`` (a new or empty directory) as a megatron ``dist_checkpointing`` checkpoint
         (synchronous save; the distributed optimizer's state in the ``dp_reshardable`` layout)."""
@@ -346,8 +349,8 @@ class MegatronTrainer:
         dist_checkpointing.save(self._sharded_state_dict(is_loading=False), str(directory))
         return directory
 
-    def restore(self, directory: str | os.PathLike) -> int:
-        """Load a checkpoint written by :meth:`save` into this trainer; returns the restored step."""
+    def restore_from(self, directory: str | os.PathLike) -> int:
+        """Load a checkpoint written by :meth:`save_to` into this trainer; returns the restored step."""
         from megatron.core import dist_checkpointing
 
         self._init_empty_adam_state()
@@ -361,6 +364,51 @@ class MegatronTrainer:
         self.step = int(state["step"])
         return self.step
 
+    # The checkpoint policy of ``config.checkpoint``: ``<directory>/<step>/`` per checkpoint,
+    # written under ``<step>.partial`` and renamed once complete (an interrupted save leaves the
+    # previous checkpoints as the newest loadable ones), the newest ``keep`` retained.
+    def _checkpoint_root(self) -> pathlib.Path:
+        if self.config.checkpoint.directory is None:
+            raise ValueError("config.checkpoint.directory is not set")
+        return pathlib.Path(self.config.checkpoint.directory).absolute()
+
+    def save(self, *, force: bool = True) -> bool:
+        """Checkpoint the state at :attr:`step` under ``config.checkpoint.directory``;
+        ``force=False`` saves only every ``config.checkpoint.every`` steps. Returns whether it
+        saved (collective: every rank calls it)."""
+        every = self.config.checkpoint.every
+        if not force and not (every and self.step % every == 0):
+            return False
+        root = self._checkpoint_root()
+        final, partial_dir = root / str(self.step), root / f"{self.step}.partial"
+        if torch.distributed.get_rank() == 0:
+            shutil.rmtree(partial_dir, ignore_errors=True)
+        self.save_to(partial_dir)
+        torch.distributed.barrier()
+        if torch.distributed.get_rank() == 0:
+            shutil.rmtree(final, ignore_errors=True)
+            partial_dir.rename(final)
+            keep = self.config.checkpoint.keep
+            for old in complete_steps(root)[:-keep] if keep else []:
+                shutil.rmtree(root / str(old), ignore_errors=True)
+        torch.distributed.barrier()
+        return True
+
+    def restore(self, step: int | None = None) -> int:
+        """Load checkpoint ``step`` (default: the newest) from ``config.checkpoint.directory``;
+        returns the restored step."""
+        steps = self.checkpoint_steps()
+        if not steps or (step is not None and step not in steps):
+            raise FileNotFoundError(f"no checkpoint {'at step ' + str(step) if step is not None else ''} "
+                                    f"in {self._checkpoint_root()} (steps there: {steps})")
+        return self.restore_from(self._checkpoint_root() / str(steps[-1] if step is None else step))
+
+    def checkpoint_steps(self) -> list[int]:
+        """Steps of the complete checkpoints on disk (after retention)."""
+        return complete_steps(self._checkpoint_root())
+
+    def close(self) -> None:
+        """Nothing is pending: saves are synchronous (the process group stays up for reuse)."""
 
     # torch.optim.AdamW fallback: megatron-core 0.16 uses it when neither Apex nor Transformer
     # Engine is installed (TE's FusedAdam keeps no per-parameter step, so both helpers below do
