@@ -1,7 +1,8 @@
 """The ``hetrl`` command line: ``hetrl train|warmstart|parity|experiment|bench|fleet`` (DESIGN §1).
 
-``hetrl train CONFIG [--set KEY=VALUE]... [--backend local|ray] [--dry-run]`` loads and
-validates the run config (:mod:`hetrl.config`); with ``--dry-run`` it prints it resolved,
+``hetrl train CONFIG [--set KEY=VALUE]... [--trainer jax|megatron] [--backend local|ray] [--resume]
+[--dry-run]`` loads and validates the run config (:mod:`hetrl.config`); with ``--dry-run`` it
+prints it resolved,
 otherwise it runs the asynchronous loop on the config's backend and prints a short summary.
 Other commands live in their own modules (:data:`COMMANDS`): each exposes
 ``add_arguments(parser)`` and ``run(args) -> exit code`` and imports its heavy dependencies only
@@ -40,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="train with this trainer: the config's trainer section is translated to it (before any --set)")
     train.add_argument("--backend", choices=("local", "ray"), default=None,
                        help="shorthand for --set backend=...: threads in one process, or Ray actors")
+    train.add_argument("--resume", action="store_true",
+                       help="continue from the newest checkpoint in checkpointing.directory (--set checkpointing.resume=true)")
     train.add_argument("--dry-run", action="store_true", help="print the resolved config as YAML and exit")
     for name, (module, help_text) in COMMANDS.items():
         importlib.import_module(module).add_arguments(sub.add_parser(name, help=help_text))
@@ -54,7 +57,8 @@ def _train(args: argparse.Namespace) -> int:
     from hetrl.config import ConfigError, load_config
 
     overrides = (([f"trainer.kind={args.trainer}"] if args.trainer else []) + list(args.overrides)
-                 + ([f"backend={args.backend}"] if args.backend else []))
+                 + ([f"backend={args.backend}"] if args.backend else [])
+                 + (["checkpointing.resume=true"] if args.resume else []))
     try:
         config = load_config(args.config, overrides)
     except ConfigError as err:

@@ -50,8 +50,19 @@ group id.
 **Outputs** under ``output_dir``: ``metrics.jsonl`` (or ``logging.jsonl_path``) and TensorBoard
 event files in ``logging.tensorboard_dir`` (default ``tensorboard/``), trainer checkpoints every
 ``checkpointing.every`` steps and at the end, each with the buffer's snapshot
-``buffer-<step>.json`` beside it; ``plots/*.png``; ``summary.json``. ``checkpointing.resume``
-restores the newest checkpoint and its buffer snapshot.
+``buffer-<step>.json`` and the loop's state ``loop-<step>.json`` beside it; ``plots/*.png``;
+``summary.json``.
+
+**Resume** (``checkpointing.resume``, ``hetrl train --resume``): the newest checkpoint is
+restored (model, optimizer, step) with the buffer as it was (its pending groups are trained, the
+ids it has seen stay refused) and the loop's state: the data order continues where it stopped,
+group ids continue after the last one used (no id is reused), the prompts of groups in flight at
+the checkpoint are submitted first, and the counters (rollout counts, the fleet's requests,
+tokens, busy time and cost) continue. Metric records the interrupted run wrote after the
+checkpoint are dropped from the JSONL (those steps are trained again; a new TensorBoard event
+file starts at the checkpoint's step). Not restored: the samplers' random streams and the
+timing of the asynchronous schedule, so a resumed run continues the same training, not the same
+samples.
 
 **Held-out evaluation** every ``environment.options.eval.every`` steps: a fixed subset of
 ``eval.tasks`` held-out tasks, one episode each, with the trainer's current weights on a
@@ -309,11 +320,17 @@ class AsyncOrchestrator(abc.ABC):
         self.gate = RolloutGate(cfg.fleet.quarantine, vocab_size=self.model_config.vocab_size,
                                 max_length=self.model_config.max_position_embeddings,
                                 max_staleness=cfg.async_.max_staleness)
+        self._resume_state: dict[str, Any] | None = None
+        self._resumed_history: list[dict[str, Any]] = []
         if cfg.checkpointing.resume and self.checkpoint_dir.exists() and self.trainer.checkpoint_steps():
             step = self.trainer.restore()
             snap = self.checkpoint_dir / f"buffer-{step}.json"
             if snap.exists():
                 self.buffer = RolloutBuffer.restore(json.loads(snap.read_text()))
+            state = self.checkpoint_dir / f"loop-{step}.json"
+            if state.exists():
+                self._resume_state = json.loads(state.read_text())
+            self._resumed_history = _truncate_metrics(self.metrics_path, step)
         self._published = self.trainer.version
         if self.trainer.version > 0:
             self.fleet.publish_weights(self.trainer.version, self.trainer.export_hf_weights())
@@ -341,9 +358,12 @@ class AsyncOrchestrator(abc.ABC):
             dropped = self._buffer_dropped()
             self._outstanding -= dropped - self._dropped_seen  # evicted groups are no longer outstanding
             self._dropped_seen = dropped
-            regen = [s.prompt_id for s in self.buffer.pop_regenerations()]
+            regen = [self._tasks_by_id[s.prompt_id] for s in self.buffer.pop_regenerations()]
             while not self._stop.is_set() and (regen or self._outstanding < target):
-                self._submit_locked(self._tasks_by_id[regen.pop(0)] if regen else self._next_task())
+                if regen:
+                    self._submit_locked(regen.pop(0))
+                else:
+                    self._submit_locked(self._carried_over.pop(0) if self._carried_over else self._next_task())
 
     def _submit_locked(self, task: Task) -> None:
         """Submit ``task`` as a new group (one fleet job of ``group_size`` requests); holds the lock."""
@@ -353,6 +373,7 @@ class AsyncOrchestrator(abc.ABC):
         spec = _GroupSpec(gid, task, self._prompt(task), time.monotonic())
         self._groups[gid] = spec
         self._outstanding += 1
+        self._unfinished[gid] = task.task_id
         self.result_submitted.append(gid)
         self.fleet.submit(gid, self.runner.requests(gid, spec.prompt, a.group_size, a.sampling))
 
@@ -397,6 +418,13 @@ class AsyncOrchestrator(abc.ABC):
         return generate
 
     def _finish_group(self, replica: Replica, result: JobResult) -> None:
+        try:
+            self._play_and_buffer(replica, result)
+        finally:  # buffered, rejected or submitted again under a new id: no longer in flight
+            with self._lock:
+                self._unfinished.pop(result.job_id, None)
+
+    def _play_and_buffer(self, replica: Replica, result: JobResult) -> None:
         spec = self._groups[result.job_id]
         sampling = self.config.async_.sampling
         try:
@@ -440,11 +468,12 @@ class AsyncOrchestrator(abc.ABC):
                     (int(r.policy_version.min()), int(r.policy_version.max())))
                 self._rewards.append(float(r.reward))
         group = RolloutGroup(spec.group_id, spec.task.task_id, tuple(buffered))
-        try:
-            accepted = self.buffer.put(group)
-        except RuntimeError:  # buffer closed: the run is over
-            return
-        with self._lock:
+        with self._lock:  # buffered and no longer in flight at once, as a checkpoint's state sees it
+            try:
+                accepted = self.buffer.put(group)
+            except RuntimeError:  # buffer closed: the run is over
+                return
+            self._unfinished.pop(spec.group_id, None)
             if accepted:
                 self.result_received.append(spec.group_id)
             else:
@@ -495,6 +524,10 @@ class AsyncOrchestrator(abc.ABC):
         self._dropped_seen = self._buffer_dropped()
         self._counts = {k: 0 for k in ("rollouts_valid", "rollouts_rejected", "groups_rejected", "groups_rerouted",
                                        "continuation_failures")}
+        self._unfinished: dict[str, str] = {}  # group id -> task id of every submitted group not yet buffered
+        self._carried_over: list[Task] = []  # tasks in flight at the checkpoint a resumed run starts from
+        if self._resume_state is not None:
+            self._restore_loop_state(self._resume_state)
         self._errors: list[str] = []
         self._retracted: list[str] = []
         self._rejected: list[str] = []
@@ -505,7 +538,7 @@ class AsyncOrchestrator(abc.ABC):
         self.result_received: list[str] = []
         eval_every = self.options.eval.every
         trained: list[tuple[str, str, int, int]] = []
-        history: list[dict[str, Any]] = []
+        history: list[dict[str, Any]] = list(self._resumed_history)
         writer = MetricsWriter(self.metrics_path, self.tensorboard_dir)
         if eval_every and self.trainer.version == 0:  # the starting policy's score, to compare the run's with
             history.append({"step": 0, **self._evaluate(self.trainer.export_hf_weights())})
@@ -573,7 +606,7 @@ class AsyncOrchestrator(abc.ABC):
                     if eval_every and (self.trainer.version % eval_every == 0 or self.trainer.version == cfg.steps):
                         record.update(self._evaluate(weights))
                     if self.trainer.save(force=False):
-                        self._snapshot_buffer()
+                        self._snapshot_state()
                     history.append(record)
                     if self.trainer.version % cfg.logging.every == 0 or self.trainer.version == cfg.steps:
                         writer.write(record)
@@ -587,7 +620,7 @@ class AsyncOrchestrator(abc.ABC):
             writer.close()
         if not self.trainer.checkpoint_steps() or self.trainer.checkpoint_steps()[-1] != self.trainer.version:
             self.trainer.save(force=True)
-            self._snapshot_buffer()
+            self._snapshot_state()
         steps = self.trainer.checkpoint_steps()
         self.trainer.close()
         self._prune_snapshots(steps)
@@ -615,15 +648,42 @@ class AsyncOrchestrator(abc.ABC):
     def _buffer_dropped(self) -> int:
         return sum(c.dropped for c in self.buffer.counters().values())
 
-    def _snapshot_buffer(self) -> None:
-        path = self.checkpoint_dir / f"buffer-{self.trainer.version}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, json.dumps(self.buffer.snapshot()))
+    def _snapshot_state(self) -> None:
+        """Beside the trainer's checkpoint at its version: the buffer (``buffer-<v>.json``) and the
+        loop's own state (``loop-<v>.json``: data order, next group id, the tasks of groups in
+        flight, counters and the fleet's cumulative counters), taken together under the lock."""
+        v = self.trainer.version
+        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            buffer = self.buffer.snapshot()
+            loop = {
+                "version": v, "next_gid": self._next_gid, "rng": self._rng.bit_generator.state,
+                "order": [int(i) for i in self._order], "passes": self._passes,
+                "in_flight_tasks": list(self._unfinished.values()), "counts": dict(self._counts),
+                "fleet": self.fleet.counters_state(),
+            }
+        write_atomic(self.checkpoint_dir / f"buffer-{v}.json", json.dumps(buffer))
+        write_atomic(self.checkpoint_dir / f"loop-{v}.json", json.dumps(loop))
+
+    def _restore_loop_state(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`_snapshot_state`'s record: the data order where it was, group ids
+        after the last one used, the counters, and the tasks whose groups were in flight first."""
+        self._rng.bit_generator.state = state["rng"]
+        self._order = list(state["order"])
+        self._passes = int(state["passes"])
+        if self._passes:
+            self._pass_tasks = self.suite.train_pass(self._passes - 1)
+            self._tasks_by_id.update((t.task_id, t) for t in self._pass_tasks)
+        self._next_gid = int(state["next_gid"])
+        self._counts.update({k: int(v) for k, v in state["counts"].items() if k in self._counts})
+        self._carried_over = [self._tasks_by_id[t] for t in state["in_flight_tasks"] if t in self._tasks_by_id]
+        self.fleet.restore_counters(state["fleet"])
 
     def _prune_snapshots(self, keep_steps: list[int]) -> None:
-        for path in self.checkpoint_dir.glob("buffer-*.json"):
-            if int(path.stem.split("-")[1]) not in keep_steps:
-                path.unlink()
+        for pattern in ("buffer-*.json", "loop-*.json"):
+            for path in self.checkpoint_dir.glob(pattern):
+                if int(path.stem.split("-")[1]) not in keep_steps:
+                    path.unlink()
 
     def _pool_rows(self, fm: dict[str, float]) -> list[dict[str, Any]]:
         counters = self.buffer.counters()
@@ -657,6 +717,24 @@ def write_atomic(path: pathlib.Path, text: str) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _truncate_metrics(path: pathlib.Path, step: int) -> list[dict[str, Any]]:
+    """Keep the records of ``path`` (JSON lines) up to ``step``, the checkpoint a run resumes
+    from (later ones were written by the interrupted run after it and are trained again);
+    returns them. A torn last line (killed mid-write) is dropped."""
+    if not path.exists():
+        return []
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+            kept.append(record)
+    write_atomic(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
+    return kept
 
 
 def _oldest_version(generations: Sequence[Generation]) -> int:

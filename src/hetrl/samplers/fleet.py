@@ -57,7 +57,7 @@ import re
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Annotated, Any, Callable, Literal, Mapping, Sequence
 from urllib.parse import urlsplit
 
@@ -618,6 +618,24 @@ class Fleet:
         out["fleet/cost/usd_per_trained_token"] = _per(totals["cost/usd"], totals["trained_tokens"])
         out["fleet/queued_jobs"] = float(queued)
         return out
+
+    def counters_state(self) -> dict[str, Any]:
+        """The cumulative counters (per pool: requests, jobs, tokens, errors, requeues, trained
+        tokens, mismatch sums; per replica: busy seconds) as JSON-able data, for a checkpoint."""
+        with self._cond:
+            return {"pools": {name: asdict(s) for name, s in self._stats.items()},
+                    "busy_s": {r.key: r.busy_s for r in self.replicas}}
+
+    def restore_counters(self, state: Mapping[str, Any]) -> None:
+        """Continue the counters of :meth:`counters_state` (a resumed run's totals then include
+        the work before the checkpoint). Pools and replicas the state does not name start at 0."""
+        with self._cond:
+            for name, stats in state.get("pools", {}).items():
+                if name in self._stats:
+                    self._stats[name] = _PoolStats(**stats)
+            for key, busy in state.get("busy_s", {}).items():
+                if key in self._by_key:
+                    self._by_key[key].busy_s = float(busy)
 
     # ------------------------------------------------------------------ internals
     def _wake_all(self) -> None:

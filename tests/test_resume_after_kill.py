@@ -1,0 +1,92 @@
+"""The trainer process killed at a random point, then `hetrl train --resume` (local backend).
+
+A real `hetrl train` subprocess (tiny homogeneous config, small batches, a checkpoint every
+step) is SIGKILLed once its step-2 checkpoint and loop state are on disk and the run has moved
+on; the same command with ``--resume`` then finishes the run. Checked: the resumed run restores
+step 2 (not step 0) and trains steps 3..STEPS once each, so the metrics file holds every step
+exactly once (the killed run's records after the checkpoint are dropped); the data order
+continues (the step-STEPS loop state's remaining task order is a suffix of the step-2 one, in the
+same pass); group ids continue after the last one used before the kill, so no id is reused and
+the buffer refuses no duplicate; the fleet's cumulative counters continue instead of restarting.
+"""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+STEPS = 5
+KILL_AFTER_STEP = 2
+RUN_TIMEOUT_S = 600
+
+
+def _command(out: pathlib.Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "hetrl.cli", "train", "tiny_homogeneous.yaml",
+            "--set", f"steps={STEPS}", "--set", f"output_dir={out}", "--set", f"logging.jsonl_path={out}/metrics.jsonl",
+            "--set", f"checkpointing.directory={out}/checkpoints", "--set", "checkpointing.every=1",
+            "--set", "checkpointing.keep=10", "--set", "logging.console=false",
+            "--set", "environment.options.eval.every=0", "--set", "async.batch_groups=2", "--set", "async.group_size=2",
+            "--set", "async.max_new_tokens=24", "--set", "async.max_staleness=1",
+            "--set", "fleet.pools=[{name: b200-bf16, accelerator: b200, weight_precision: bf16, replicas: 2}]", *extra]
+
+
+def _steps(path: pathlib.Path) -> list[int]:
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def killed_and_resumed(tmp_path_factory):
+    out = tmp_path_factory.mktemp("resume_run")
+    proc = subprocess.Popen(_command(out), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    state = out / "checkpoints" / f"loop-{KILL_AFTER_STEP}.json"
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    try:
+        # kill once the step-2 state is on disk and the run has written a later record (mid-run, past the checkpoint)
+        while not (state.exists() and (out / "metrics.jsonl").exists()
+                   and max(_steps(out / "metrics.jsonl"), default=0) > KILL_AFTER_STEP):
+            assert proc.poll() is None, f"the run ended before it could be killed:\n{proc.stderr.read()[-4000:]}"
+            assert time.monotonic() < deadline, "the run did not reach its step-2 checkpoint in time"
+            time.sleep(0.1)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+    before = {"steps": _steps(out / "metrics.jsonl"), "loop": json.loads(state.read_text()),
+              "checkpoints": sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())}
+    resumed = subprocess.run(_command(out, "--resume"), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert resumed.returncode == 0, resumed.stderr[-6000:]
+    return out, before, resumed
+
+
+def test_the_kill_came_after_the_checkpoint(killed_and_resumed):
+    _, before, _ = killed_and_resumed
+    assert KILL_AFTER_STEP in before["checkpoints"] and max(before["steps"]) > KILL_AFTER_STEP
+
+
+def test_every_step_is_logged_exactly_once(killed_and_resumed):
+    out, _, resumed = killed_and_resumed
+    assert _steps(out / "metrics.jsonl") == list(range(1, STEPS + 1))
+    assert f"trainer version: {STEPS}" in resumed.stdout
+
+
+def test_the_resumed_run_restored_the_checkpoint_not_step_zero(killed_and_resumed):
+    out, before, _ = killed_and_resumed
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    # the fleet's cumulative counters continue: the first resumed step counts the jobs before the checkpoint too
+    jobs = [r["fleet/jobs"] for r in records]
+    assert jobs == sorted(jobs) and jobs[KILL_AFTER_STEP] >= before["loop"]["fleet"]["pools"]["b200-bf16"]["jobs"]
+    assert all(r["buffer/duplicates"] == 0 for r in records)
+
+
+def test_data_order_and_group_ids_continue(killed_and_resumed):
+    out, before, _ = killed_and_resumed
+    after = json.loads((out / "checkpoints" / f"loop-{STEPS}.json").read_text())
+    at_kill = before["loop"]
+    assert after["passes"] == at_kill["passes"] >= 1
+    order, rest = at_kill["order"], after["order"]
+    assert len(rest) < len(order) and order[len(order) - len(rest):] == rest  # the same permutation, further on
+    assert after["next_gid"] > at_kill["next_gid"]
