@@ -246,6 +246,26 @@ def test_replica_killed_mid_generation_requeues_and_no_group_is_lost_or_trained_
     assert sorted(taken) == sorted(jobs) and buf.take(1, 0) == []
 
 
+def test_a_revived_replica_loads_the_published_weights_and_serves_again():
+    doomed = pool("doomed", "h100", "fp8_e4m3")
+    fleet, (sick,) = fleet_of((doomed, {}))
+    fleet.publish_weights(3, {})
+    sick.healthy = False
+    assert fleet.serve_once("doomed/0", timeout=0) == []  # nothing to do: not even checked
+    fleet.submit("g0", requests("g0"))
+    assert fleet.serve_once("doomed/0", timeout=1) == []  # unhealthy: dead, its job back in the queue
+    assert not fleet.replicas[0].alive and fleet.replicas[0].died_at is not None
+    fresh = FakeSampler(doomed)
+    assert fleet.revive("doomed/0", fresh) and not fleet.revive("doomed/0", fresh)  # alive already: no-op
+    (done,) = fleet.serve_once("doomed/0", timeout=1)
+    # one attempt: the sick replica failed its health check before starting the job
+    assert done.job_id == "g0" and done.attempts == 1 and fresh.loads == [3]  # the latest weights before serving
+    m = fleet.metrics()
+    assert (m["pool/doomed/restarts"], m["pool/doomed/errors"], m["fleet/replicas_alive"]) == (1, 1, 1)
+    fleet.quarantine("doomed", "too many rejections")
+    assert not fleet.revive("doomed/0", FakeSampler(doomed))  # a quarantined pool stays out
+
+
 def to_rollout(group_id: str, g: Generation) -> Rollout:
     T = g.token_ids.shape[0]
     return Rollout(rollout_id=g.request_id, group_id=group_id, prompt_ids=np.array([1, 2], np.int32),

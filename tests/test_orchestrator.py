@@ -40,6 +40,7 @@ def run(tmp_path_factory):
         " {name: slow, accelerator: a100, weight_precision: bf16},"
         " {name: poison, accelerator: h100, weight_precision: fp8_e4m3}]",
         f"fleet.quarantine={{max_rejection_rate: 0.5, min_rollouts: {QUARANTINE_MIN}, window: 8}}",
+        "fleet.restart={max_per_replica: 0}",  # the killed replica stays dead: its pool shrinks
         "environment.options={eval: {every: 2, tasks: 2}, coding: {max_turns: 2}}",
     ])
     killed: list[Dies] = []
@@ -101,6 +102,30 @@ def test_poisoned_pool_is_rejected_counted_quarantined_and_never_trained(run):
     assert "poison" not in trained_pools and "fast" in trained_pools
     assert result.rejected and not set(result.rejected) & {g for g, *_ in result.trained}
     assert result.final["version"] == 3 and "poison/0" not in result.rollout_versions
+
+
+def test_a_dead_replica_is_restarted_and_serves_again(tmp_path):
+    """The second replica dies on its first call; the restart policy builds it again after the
+    delay, and the new one serves jobs (its first-token weight versions are recorded)."""
+    cfg = load_config("tiny_homogeneous.yaml", [
+        f"output_dir={tmp_path}", "logging.jsonl_path=null", "checkpointing.directory=null", "logging.console=false",
+        "steps=3", "async.batch_groups=2", "async.group_size=2", "async.max_new_tokens=16", "async.max_staleness=0",
+        "fleet.pools=[{name: fast, accelerator: h100, weight_precision: fp8_e4m3, replicas: 2}]",
+        "fleet.restart={max_per_replica: 2, delay_s: 0.2}", "environment.options={eval: {every: 0}}",
+    ])
+    killed: list[Dies] = []
+
+    def wrap(pool, index, sampler):
+        if index == 1 and not killed:  # only its first incarnation dies
+            killed.append(Dies(sampler))
+            return killed[-1]
+        return sampler
+
+    result = LocalOrchestrator(cfg, wrap_sampler=wrap, console=False).run()
+    assert killed and killed[0].failed
+    assert result.history[-1]["fleet/restarts"] == 1 and result.history[-1]["fleet/replicas_alive"] == 2
+    assert result.rollout_versions.get("fast/1"), "the restarted replica never served"
+    check_requeued_exactly_once(result, {r.split("/")[0] for r in killed[0].failed}, dead_replica="none")
 
 
 def test_malformed_generations_are_rejected_not_raised(tmp_path):

@@ -50,6 +50,7 @@ def run(tmp_path_factory):
         f"async.max_staleness={MAX_STALENESS}", "backend=ray",
         "fleet.pools=[{name: fast, accelerator: h100, weight_precision: fp8_e4m3, replicas: 2},"
         " {name: slow, accelerator: a100, weight_precision: bf16}]",
+        "fleet.restart={max_per_replica: 0}",  # the killed actor is not replaced: the pool shrinks
         "environment.options={eval: {every: 3, tasks: 2}, coding: {max_turns: 2}}",
     ])
     orch = build_orchestrator(cfg, wrap_sampler=lambda pool, i, s: Slow(s, 1.5) if pool.name == "slow" else s,

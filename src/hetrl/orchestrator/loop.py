@@ -78,6 +78,7 @@ from __future__ import annotations
 
 import abc
 import json
+import logging
 import os
 import pathlib
 import threading
@@ -111,6 +112,8 @@ if TYPE_CHECKING:
 
 __all__ = ["EvalOptions", "SyntheticEnvOptions", "TrainerHandle", "AsyncOrchestrator", "RunResult",
            "SamplerWrapper", "Retracted", "build_embedded_sampler", "build_trainer", "SAMPLER_BATCH", "write_atomic"]
+
+log = logging.getLogger(__name__)
 
 SamplerWrapper = Callable[[PoolConfig, int, Sampler], Sampler]
 """Wraps replica ``index`` of a pool (tests: slow or failing pools); must keep ``info``."""
@@ -479,6 +482,46 @@ class AsyncOrchestrator(abc.ABC):
             else:
                 self._outstanding -= 1
 
+    def _restart_dead_replicas(self) -> bool:
+        """Start rebuilding each dead replica whose :class:`RestartPolicy` allows it (its pool not
+        quarantined, restarts left, ``delay_s`` passed since it died), each in its own thread.
+        Returns whether any dead replica is being rebuilt or may still be."""
+        policy = self.config.fleet.restart
+        now, pending = time.monotonic(), False
+        for r in self.fleet.replicas:
+            if r.alive or r.pool.name in self.fleet.quarantined or r.died_at is None:
+                continue
+            if self._restart_attempts.get(r.key, 0) >= policy.max_per_replica:
+                continue
+            pending = True
+            if r.key in self._restarting or now - r.died_at < policy.delay_s:
+                continue
+            self._restarting.add(r.key)
+            self._restart_attempts[r.key] = self._restart_attempts.get(r.key, 0) + 1
+            thread = threading.Thread(target=self._restart_replica, args=(r,), name=f"restart-{r.key}", daemon=True)
+            self._threads.append(thread)
+            thread.start()
+        return pending
+
+    def _restart_replica(self, replica: Replica) -> None:
+        """Build ``replica``'s sampler again; once it answers healthy, put it back and serve it."""
+        try:
+            sampler = self._make_sampler(replica.pool, self.fleet.numerics[replica.pool.name], replica.index)
+            health = sampler.health()
+            if not health.healthy:
+                raise RuntimeError(f"unhealthy after restart: {health.detail}")
+            if self.fleet.revive(replica, sampler):
+                worker = threading.Thread(target=self._worker, args=(replica,), name=f"worker-{replica.key}", daemon=True)
+                self._threads.append(worker)
+                worker.start()
+        except Exception as err:  # try again after the delay, while attempts remain
+            log.warning("restarting replica %s failed: %s", replica.key, err)
+            replica.died_at = time.monotonic()
+            with self._lock:
+                self._errors.append(f"restart of {replica.key} failed: {err}")
+        finally:
+            self._restarting.discard(replica.key)
+
     def _resubmit(self, task: Task) -> None:
         with self._lock:
             if not self._stop.is_set():
@@ -543,10 +586,12 @@ class AsyncOrchestrator(abc.ABC):
         if eval_every and self.trainer.version == 0:  # the starting policy's score, to compare the run's with
             history.append({"step": 0, **self._evaluate(self.trainer.export_hf_weights())})
             writer.write(history[-1])
-        threads = [threading.Thread(target=self._worker, args=(r,), name=f"worker-{r.key}", daemon=True)
-                   for r in self.fleet.replicas]
+        self._threads = [threading.Thread(target=self._worker, args=(r,), name=f"worker-{r.key}", daemon=True)
+                         for r in self.fleet.replicas]
+        self._restarting: set[str] = set()
+        self._restart_attempts: dict[str, int] = {}
         self._top_up()
-        for t in threads:
+        for t in self._threads:
             t.start()
         a = cfg.async_
         max_stale_seen = -1
@@ -559,7 +604,8 @@ class AsyncOrchestrator(abc.ABC):
                     while not groups:
                         groups = self.buffer.take(a.batch_groups, self.trainer.version, timeout=0.5)
                         self._top_up()
-                        if not groups and not any(r.alive for r in self.fleet.replicas):
+                        restartable = self._restart_dead_replicas()
+                        if not groups and not restartable and not any(r.alive for r in self.fleet.replicas):
                             raise RuntimeError("every sampler replica is dead or quarantined; the run cannot "
                                                f"continue (quarantined: {self.gate.quarantined() or 'none'})")
                     wait_s = time.monotonic() - wait_start
@@ -615,7 +661,7 @@ class AsyncOrchestrator(abc.ABC):
             self._stop.set()
             self.fleet.close()
             self.buffer.close()
-            for t in threads:
+            for t in list(self._threads):
                 t.join(timeout=30)
             writer.close()
         if not self.trainer.checkpoint_steps() or self.trainer.checkpoint_steps()[-1] != self.trainer.version:

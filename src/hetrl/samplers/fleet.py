@@ -28,8 +28,9 @@ check ``health()``, take assigned jobs (up to ``max_batch`` requests; at least o
 
 **Failure.** A replica that raises, reports unhealthy, or returns generations that do not
 match its requests one to one is marked dead; every job assigned to it (in flight or waiting)
-goes back to the front of the queue, in order, and is routed elsewhere. A dead replica never
-serves again, so a job is attempted at most once per replica and is delivered exactly once.
+goes back to the front of the queue, in order, and is routed elsewhere, so a job is delivered
+exactly once. A dead replica serves again only once :meth:`Fleet.revive` puts it back with a new
+sampler (the orchestrator does so per :class:`RestartPolicy`); otherwise the pool shrinks.
 
 **Quarantine.** A pool whose rollouts are rejected too often (the policy is
 :class:`hetrl.core.admission.QuarantineConfig`, ``FleetConfig.quarantine``; the orchestrator
@@ -40,7 +41,7 @@ already running are discarded), and the reason is logged and kept in :attr:`Flee
 **Metrics** (:meth:`Fleet.metrics`), per pool under ``pool/<name>/``: ``requests`` (completed),
 ``jobs``, ``tokens`` (generated), ``errors``, ``requeues`` (jobs sent back), ``busy_s``
 (summed busy time of the replicas: wall time of ``generate`` calls, or modelled from tokens and
-throughput, see :class:`FleetConfig`), ``replicas_alive``; mismatch metrics
+throughput, see :class:`FleetConfig`), ``replicas_alive``, ``restarts``; mismatch metrics
 aggregated over training steps (:meth:`Fleet.record_mismatch`); cost ``cost/usd =
 price_per_hour x accelerators_per_replica x busy hours``, ``trained_tokens``
 (:meth:`Fleet.record_trained`) and ``cost/usd_per_trained_token``, ``quarantined`` (0 or 1);
@@ -68,7 +69,7 @@ from hetrl.core.admission import QuarantineConfig
 from hetrl.samplers.base import Generation, GenerationRequest, Sampler
 from hetrl.samplers.profiles import CATALOGUE, SamplerNumerics, get_profile
 
-__all__ = ["Engine", "Endpoint", "ServerOptions", "is_loopback_host", "PoolConfig", "FleetConfig", "Replica", "JobResult", "Fleet",
+__all__ = ["Engine", "Endpoint", "ServerOptions", "is_loopback_host", "PoolConfig", "RestartPolicy", "FleetConfig", "Replica", "JobResult", "Fleet",
            "FleetError", "SamplerFactory"]
 
 Engine = Literal["embedded", "sglang", "sglang-jax"]
@@ -259,6 +260,19 @@ class PoolConfig(BaseModel):
                                kv_format=self.kv_precision or profile.default_kv_format)
 
 
+class RestartPolicy(BaseModel):
+    """What happens to a replica that dies (its generate call raised, or it reported itself
+    unhealthy): its jobs are re-queued at once; then, ``delay_s`` seconds later, the loop builds
+    it again (a new embedded engine or Ray actor; a new client of the same server endpoint, which
+    must answer its health check) and puts it back into routing, at most ``max_per_replica``
+    times per replica (0: the pool shrinks instead). A quarantined pool is never restarted."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_per_replica: int = Field(3, ge=0)
+    delay_s: float = Field(2.0, ge=0.0, allow_inf_nan=False)
+
+
 class FleetConfig(BaseModel):
     """The pools (unique names) and ``max_batch``: the most requests one ``generate`` call of
     the fastest replica takes (slower replicas get proportionally fewer slots).
@@ -268,7 +282,8 @@ class FleetConfig(BaseModel):
     (``reference_tokens_per_s`` x the pool's relative throughput), i.e. the time the pool's
     accelerator would take, for embedded pools that all run on the same CPU.
 
-    ``quarantine``: when a pool returning too many rejected rollouts is taken out of routing."""
+    ``quarantine``: when a pool returning too many rejected rollouts is taken out of routing.
+    ``restart``: whether and when a dead replica is built again (:class:`RestartPolicy`)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -278,6 +293,7 @@ class FleetConfig(BaseModel):
     reference_tokens_per_s: float = Field(1000.0, gt=0.0, allow_inf_nan=False,
                                           description="decode tokens/s of one H100-bf16 replica (modelled clock)")
     quarantine: QuarantineConfig = QuarantineConfig()
+    restart: RestartPolicy = RestartPolicy()
 
     @field_validator("pools")
     @classmethod
@@ -330,6 +346,8 @@ class Replica:
     assigned: deque = field(default_factory=deque)  # jobs routed here, not yet started
     in_flight: list = field(default_factory=list)   # jobs of the running generate call
     busy_s: float = 0.0
+    died_at: float | None = None  # time.monotonic() of its death (None: alive, or never died)
+    restarts: int = 0
 
     @property
     def key(self) -> str:
@@ -444,6 +462,21 @@ class Fleet:
             others = sorted({r.pool.name for r in self.replicas if r.alive})
         log.error("%s; %d of its jobs re-routed to the other pools (%s)", reason, len(jobs),
                   ", ".join(others) or "none left: the fleet cannot make progress")
+
+    def revive(self, replica: str | Replica, sampler: Sampler) -> bool:
+        """Put the dead ``replica`` back into routing with a freshly built ``sampler`` (it loads
+        the published weights before its first call). False, and nothing changes, if the replica
+        is alive, its pool is quarantined or the fleet is closed."""
+        r = replica if isinstance(replica, Replica) else self._by_key[replica]
+        with self._cond:
+            if r.alive or self._closed or r.pool.name in self.quarantined:
+                return False
+            r.sampler, r.alive, r.weight_version, r.died_at = sampler, True, None, None
+            r.restarts += 1
+            self._dispatch_locked()
+            self._cond.notify_all()
+        log.warning("replica %s restarted (restart %d)", r.key, r.restarts)
+        return True
 
     def close(self) -> None:
         """Stop: refuse new jobs and wake every waiting :meth:`serve_once` (which returns [])."""
@@ -596,14 +629,15 @@ class Fleet:
         """Flat per-pool and fleet-total metrics (see the module docstring)."""
         out: dict[str, float] = {}
         totals = {"requests": 0.0, "jobs": 0.0, "tokens": 0.0, "errors": 0.0, "requeues": 0.0, "busy_s": 0.0,
-                  "replicas_alive": 0.0, "trained_tokens": 0.0, "cost/usd": 0.0, "quarantined": 0.0}
+                  "replicas_alive": 0.0, "restarts": 0.0, "trained_tokens": 0.0, "cost/usd": 0.0, "quarantined": 0.0}
         costs = {name: self.cost_usd(name) for name in self.pools}
         with self._cond:
             for name, s in self._stats.items():
                 reps = [r for r in self.replicas if r.pool.name == name]
                 row = {"requests": s.requests, "jobs": s.jobs, "tokens": s.tokens, "errors": s.errors,
                        "requeues": s.requeues, "busy_s": sum(r.busy_s for r in reps),
-                       "replicas_alive": sum(r.alive for r in reps), "trained_tokens": s.trained_tokens,
+                       "replicas_alive": sum(r.alive for r in reps), "restarts": sum(r.restarts for r in reps),
+                       "trained_tokens": s.trained_tokens,
                        "cost/usd": costs[name], "quarantined": name in self.quarantined}
                 for k, v in row.items():
                     out[f"pool/{name}/{k}"] = float(v)
@@ -647,7 +681,7 @@ class Fleet:
     def _fail(self, r: Replica) -> None:
         """Mark ``r`` dead and put its jobs back at the front of the queue, in order."""
         with self._cond:
-            r.alive = False
+            r.alive, r.died_at = False, time.monotonic()
             jobs = list(r.in_flight) + list(r.assigned)
             r.in_flight, r.assigned = [], deque()
             stats = self._stats[r.pool.name]
