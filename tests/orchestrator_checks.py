@@ -1,96 +1,11 @@
-"""Shared by the orchestrator tests of every backend: sampler wrappers (a slow pool, a replica
-that dies, a pool that returns poisoned generations) and the invariants a finished run must
-satisfy."""
+"""Shared by the orchestrator tests of every backend: the invariants a finished run must
+satisfy (the fault-injecting sampler wrappers are :mod:`hetrl.samplers.faults`)."""
 
-import dataclasses
-import itertools
 import json
-import threading
-import time
 
 import numpy as np
 
-from hetrl.core.schema import SamplerInfo
-
 from hetrl.orchestrator.tb_events import read_scalars
-
-
-class Slow:
-    """A sampler that sleeps ``delay`` seconds before every generate call."""
-
-    def __init__(self, inner, delay):
-        self.inner, self.delay = inner, delay
-
-    @property
-    def info(self):
-        return self.inner.info
-
-    def generate(self, requests):
-        time.sleep(self.delay)
-        return self.inner.generate(requests)
-
-    def update_weights(self, version, weights):
-        self.inner.update_weights(version, weights)
-
-    def health(self):
-        return self.inner.health()
-
-
-class Dies(Slow):
-    """A sampler whose first generate call raises (a killed replica); records what it held."""
-
-    def __init__(self, inner):
-        super().__init__(inner, 0.0)
-        self.failed: list[str] = []
-        self.lock = threading.Lock()
-
-    def generate(self, requests):
-        with self.lock:
-            self.failed += [r.request_id for r in requests]
-        raise ConnectionError("replica killed")
-
-
-class Poisoned(Slow):
-    """A sampler whose every generation is poisoned, cycling through :data:`POISONS` (first
-    trainable token); ``used`` counts the poisons applied."""
-
-    def __init__(self, inner):
-        super().__init__(inner, 0.0)
-        self.used: dict[str, int] = {}
-        self._next = itertools.cycle(POISONS)
-        self.lock = threading.Lock()
-
-    def generate(self, requests):
-        out = []
-        for g in self.inner.generate(requests):
-            with self.lock:
-                name, poison = next(self._next)
-                self.used[name] = self.used.get(name, 0) + 1
-            out.append(poison(g))
-        return out
-
-
-def _edit(g, name, value):
-    arr = np.array(getattr(g, name))
-    arr[0] = value
-    return dataclasses.replace(g, **{name: arr})
-
-
-def _outside_support(g):
-    span = set(g.support.ids[g.support.offsets[0]:g.support.offsets[1]].tolist())
-    return _edit(g, "token_ids", next(v for v in itertools.count() if v not in span))
-
-
-POISONS = (
-    ("nan_logprob", lambda g: _edit(g, "logprobs", np.nan)),
-    ("id_outside_vocab", lambda g: _edit(g, "token_ids", 10**6)),
-    ("support_missing_token", _outside_support),
-    ("wrong_length", lambda g: dataclasses.replace(g, logprobs=g.logprobs[:-1])),
-    ("unpublished_version", lambda g: dataclasses.replace(g, policy_version=g.policy_version + 1000)),
-    ("inconsistent_logprob", lambda g: _edit(g, "logprobs", g.logprobs[0] - 0.5)),
-    ("other_pool", lambda g: dataclasses.replace(g, sampler=SamplerInfo(**{**g.sampler.model_dump(), "pool": "elsewhere"}))),
-)
-"""(name, poison) pairs: each makes a generation invalid in one way."""
 
 
 def check_outputs(result, steps: int, eval_steps: list[int]) -> None:

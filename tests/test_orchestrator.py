@@ -9,6 +9,9 @@ while training goes on with the others). A unit check drives the episode runner 
 generations: they are rejected naming the field, not raised, and never reach the environment.
 """
 
+import threading
+import time
+
 import numpy as np
 import pytest
 from tokenizers import Tokenizer
@@ -22,7 +25,8 @@ from hetrl.models.tiny import TINY_QWEN3, build_tiny_checkpoint
 from hetrl.orchestrator.episodes import EpisodeRunner
 from hetrl.orchestrator.local import LocalOrchestrator
 from hetrl.samplers.base import Generation
-from orchestrator_checks import (Dies, Poisoned, Slow, check_monotone_versions, check_outputs,
+from hetrl.samplers.faults import Dies, Poisoned, Slow
+from orchestrator_checks import (check_monotone_versions, check_outputs,
                                  check_requeued_exactly_once, check_staleness)
 
 MAX_STALENESS = 1
@@ -126,6 +130,37 @@ def test_a_dead_replica_is_restarted_and_serves_again(tmp_path):
     assert result.history[-1]["fleet/restarts"] == 1 and result.history[-1]["fleet/replicas_alive"] == 2
     assert result.rollout_versions.get("fast/1"), "the restarted replica never served"
     check_requeued_exactly_once(result, {r.split("/")[0] for r in killed[0].failed}, dead_replica="none")
+
+
+def test_chaos_drill_loses_nothing_and_a_stop_request_ends_at_a_checkpoint(tmp_path):
+    """Random kills, stalls and poisoned generations on every replica (fleet.chaos, seeded), the
+    run stopped by request_stop() (what SIGTERM does) after its second step: every submitted
+    group is accounted for, none trained twice, and the run ends checkpointed where it stopped."""
+    cfg = load_config("tiny_homogeneous.yaml", [
+        f"output_dir={tmp_path}", "logging.jsonl_path=null", "checkpointing.directory=null", "logging.console=false",
+        "steps=100", "async.batch_groups=2", "async.group_size=2", "async.max_new_tokens=16",
+        "fleet.pools=[{name: fast, accelerator: h100, weight_precision: fp8_e4m3, replicas: 2}]",
+        "fleet.restart={max_per_replica: 50, delay_s: 0.1}",
+        "fleet.chaos={seed: 3, kill_rate: 0.5, slow_rate: 0.25, slow_s: 0.2, poison_rate: 0.3}",
+        "fleet.quarantine={max_rejection_rate: 0.9, min_rollouts: 100, window: 200}",
+        "environment.options={eval: {every: 0}}",
+    ])
+    orch = LocalOrchestrator(cfg, console=False)
+
+    def stop_after_two_steps():
+        while getattr(getattr(orch, "trainer", None), "version", 0) < 2:
+            time.sleep(0.05)
+        orch.request_stop()
+
+    threading.Thread(target=stop_after_two_steps, daemon=True).start()
+    result = orch.run()
+    version = result.final["version"]
+    assert 2 <= version < 100 and result.checkpoint_steps[-1] == version
+    audit = result.audit()
+    assert audit["lost"] == [] and audit["duplicated"] == [] and audit["unaccounted"] == 0, audit
+    # at these rates a run of two steps (well over 8 calls, 16 generations) draws every fault
+    assert result.final["chaos_kills"] >= 1 and result.final["replica_restarts"] >= 1
+    assert result.final["chaos_poisoned"] >= 1 and result.history[-1]["admission/rejected"] >= 1
 
 
 def test_malformed_generations_are_rejected_not_raised(tmp_path):

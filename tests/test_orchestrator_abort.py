@@ -13,7 +13,8 @@ import pytest
 
 from hetrl.config import load_config
 from hetrl.orchestrator.local import LocalOrchestrator
-from orchestrator_checks import Slow, check_monotone_versions, check_staleness
+from hetrl.samplers.faults import Slow
+from orchestrator_checks import check_monotone_versions, check_staleness
 
 MAX_STALENESS = 1
 

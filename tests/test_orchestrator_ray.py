@@ -18,7 +18,8 @@ import ray
 from hetrl.config import load_config
 from hetrl.orchestrator import build_orchestrator
 from hetrl.orchestrator.ray_backend import RayOrchestrator
-from orchestrator_checks import Slow, check_monotone_versions, check_outputs, check_requeued_exactly_once, check_staleness
+from hetrl.samplers.faults import Slow
+from orchestrator_checks import check_monotone_versions, check_outputs, check_requeued_exactly_once, check_staleness
 
 MAX_STALENESS = 1
 RUN_TIMEOUT_S = 300

@@ -3,7 +3,8 @@
 ``hetrl train CONFIG [--set KEY=VALUE]... [--trainer jax|megatron] [--backend local|ray] [--resume]
 [--dry-run]`` loads and validates the run config (:mod:`hetrl.config`); with ``--dry-run`` it
 prints it resolved,
-otherwise it runs the asynchronous loop on the config's backend and prints a short summary.
+otherwise it runs the asynchronous loop on the config's backend and prints a short summary
+(SIGTERM stops it gracefully: the step in progress finishes and is checkpointed).
 Other commands live in their own modules (:data:`COMMANDS`): each exposes
 ``add_arguments(parser)`` and ``run(args) -> exit code`` and imports its heavy dependencies only
 inside ``run``. The rest says plainly when its machinery has not landed yet instead of
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 
 #: Subcommands implemented in their own module: name -> (module, help).
@@ -75,7 +77,12 @@ def _train(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"hetrl train: {err}", file=sys.stderr)
         return 1
-    result = orchestrator.run()
+    # SIGTERM (a preemptible machine reclaimed, a scheduler's stop): finish the step, checkpoint, exit 0
+    previous = signal.signal(signal.SIGTERM, lambda *_: orchestrator.request_stop())
+    try:
+        result = orchestrator.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     for line in summary_lines(result.history, result.final):
         print(line)
     return 0

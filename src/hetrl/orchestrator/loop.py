@@ -103,6 +103,7 @@ from hetrl.orchestrator.episodes import EpisodeRunner
 from hetrl.orchestrator.evaluation import evaluate_tasks
 from hetrl.orchestrator.report import LiveDisplay, MetricsWriter, write_plots
 from hetrl.samplers.base import Generation, GenerationRequest, Sampler
+from hetrl.samplers.faults import ChaosLedger, ChaosSampler
 from hetrl.samplers.fleet import Fleet, JobResult, PoolConfig, Replica
 from hetrl.samplers.profiles import SamplerNumerics, sampler_numerics
 
@@ -222,9 +223,16 @@ class RunResult:
     trained group in order; ``received`` every group id put into the buffer; ``submitted``
     every group id sent to the fleet; ``retracted`` every group id retracted under
     ``weight_update: abort``; ``rejected`` every group id none of whose rollouts was admitted
-(:class:`hetrl.core.admission.RolloutGate`); ``rollout_versions[replica key]`` the first-token weight version
-    of each valid rollout that replica produced, in arrival order; ``rollout_spans[replica
-    key]`` the ``(min, max)`` token version of each; ``rewards`` the environment reward of each."""
+    (:class:`hetrl.core.admission.RolloutGate`); ``failed`` every group id whose later turn
+    failed (its prompt submitted again); ``unfinished`` every group id still in flight when the
+    run stopped; ``rollout_versions[replica key]`` the first-token weight version of each valid
+    rollout that replica produced, in arrival order; ``rollout_spans[replica key]`` the
+    ``(min, max)`` token version of each; ``rewards`` the environment reward of each.
+
+    Conservation (what the soak run checks): every ``submitted`` id is in ``received``,
+    ``rejected``, ``retracted`` or ``failed`` (at most one of them) or else in ``unfinished``;
+    and the ``received`` groups are each trained once, dropped by the staleness policy, or still
+    pending in the buffer."""
 
     history: list[dict[str, Any]]
     final: dict[str, Any]
@@ -242,6 +250,30 @@ class RunResult:
     checkpoint_dir: pathlib.Path
     checkpoint_steps: list[int] = field(default_factory=list)
     rejected: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    unfinished: list[str] = field(default_factory=list)
+
+    def audit(self) -> dict[str, Any]:
+        """The conservation check of the class docstring: counts of each outcome, ``lost`` (ids
+        submitted and accounted nowhere), ``duplicated`` (ids trained twice or with two
+        outcomes) and ``unaccounted`` (received groups neither trained, dropped nor pending)."""
+        outcomes = {"received": self.received, "rejected": self.rejected, "retracted": self.retracted,
+                    "failed": self.failed}
+        trained = [g for g, *_ in self.trained]
+        seen: dict[str, int] = {}
+        for ids in outcomes.values():
+            for gid in set(ids):
+                seen[gid] = seen.get(gid, 0) + 1
+        duplicated = sorted({g for g in trained if trained.count(g) > 1} | {g for g, n in seen.items() if n > 1}
+                            | {g for ids in outcomes.values() for g in ids if ids.count(g) > 1})
+        accounted = set(seen) | set(self.unfinished)
+        dropped, pending = int(self.final.get("groups_dropped", 0)), int(self.final.get("groups_pending", 0))
+        return {
+            "submitted": len(self.submitted), **{k: len(v) for k, v in outcomes.items()},
+            "unfinished": len(set(self.unfinished) - set(seen)), "trained": len(trained), "dropped": dropped,
+            "pending": pending, "lost": sorted(set(self.submitted) - accounted), "duplicated": duplicated,
+            "unaccounted": len(self.received) - len(trained) - dropped - pending,
+        }
 
 
 class AsyncOrchestrator(abc.ABC):
@@ -271,6 +303,14 @@ class AsyncOrchestrator(abc.ABC):
         self.metrics_path = pathlib.Path(config.logging.jsonl_path or self.output_dir / "metrics.jsonl")
         self.tensorboard_dir = pathlib.Path(config.logging.tensorboard_dir or self.output_dir / "tensorboard")
         self.checkpoint_dir = pathlib.Path(config.checkpointing.directory or self.output_dir / "checkpoints")
+        self.chaos_ledger = ChaosLedger()
+        self._incarnations: dict[str, int] = {}
+        self._stop_requested = threading.Event()
+
+    def request_stop(self) -> None:
+        """Finish the step in progress, checkpoint and return from :meth:`run` (thread-safe; e.g.
+        on SIGTERM, when a preemptible machine is reclaimed)."""
+        self._stop_requested.set()
 
     # ================================================================== backend hooks
     def _start_backend(self) -> None:
@@ -349,6 +389,11 @@ class AsyncOrchestrator(abc.ABC):
 
             sampler = ServerSampler(pool, numerics, model_dir=self.model_dir, weights_dir=self.output_dir / "weights",
                                     endpoints=[pool.endpoints[index]])
+        if self.config.fleet.chaos is not None:
+            chaos = self.config.fleet.chaos
+            incarnation = self._incarnations[f"{pool.name}/{index}"] = self._incarnations.get(f"{pool.name}/{index}", -1) + 1
+            seed = zlib.crc32(f"{chaos.seed}/{pool.name}/{index}/{incarnation}".encode())
+            sampler = ChaosSampler(sampler, chaos, seed, self.chaos_ledger)
         return self.wrap_sampler(pool, index, sampler) if self.wrap_sampler else sampler
 
     # ================================================================== the fleet side
@@ -425,7 +470,8 @@ class AsyncOrchestrator(abc.ABC):
             self._play_and_buffer(replica, result)
         finally:  # buffered, rejected or submitted again under a new id: no longer in flight
             with self._lock:
-                self._unfinished.pop(result.job_id, None)
+                if not self._stop.is_set():  # at shutdown a finished group may not reach the buffer
+                    self._unfinished.pop(result.job_id, None)
 
     def _play_and_buffer(self, replica: Replica, result: JobResult) -> None:
         spec = self._groups[result.job_id]
@@ -443,6 +489,7 @@ class AsyncOrchestrator(abc.ABC):
         except Exception:  # a later turn failed on this replica: redo the prompt as a new group
             with self._lock:
                 self._counts["continuation_failures"] += 1
+                self._failed.append(spec.group_id)
                 self._outstanding -= 1
             self._resubmit(spec.task)
             return
@@ -572,6 +619,7 @@ class AsyncOrchestrator(abc.ABC):
         if self._resume_state is not None:
             self._restore_loop_state(self._resume_state)
         self._errors: list[str] = []
+        self._failed: list[str] = []
         self._retracted: list[str] = []
         self._rejected: list[str] = []
         self._rollout_versions: dict[str, list[int]] = {}
@@ -598,16 +646,18 @@ class AsyncOrchestrator(abc.ABC):
         last_time, last_gen_tokens = time.monotonic(), 0.0
         try:
             with LiveDisplay(cfg.steps, self.console) as display:
-                while self.trainer.version < cfg.steps:
+                while self.trainer.version < cfg.steps and not self._stop_requested.is_set():
                     wait_start = time.monotonic()
                     groups: list[RolloutGroup] = []
-                    while not groups:
+                    while not groups and not self._stop_requested.is_set():
                         groups = self.buffer.take(a.batch_groups, self.trainer.version, timeout=0.5)
                         self._top_up()
                         restartable = self._restart_dead_replicas()
                         if not groups and not restartable and not any(r.alive for r in self.fleet.replicas):
                             raise RuntimeError("every sampler replica is dead or quarantined; the run cannot "
                                                f"continue (quarantined: {self.gate.quarantined() or 'none'})")
+                    if not groups:  # stopped while waiting for a batch
+                        break
                     wait_s = time.monotonic() - wait_start
                     version = self.trainer.version
                     rollouts = [r for g in groups for r in g.rollouts]
@@ -644,6 +694,7 @@ class AsyncOrchestrator(abc.ABC):
                         "throughput/trained_tokens_per_s": float(batch.loss_mask.sum()) / max(now - last_time, 1e-9),
                         **{f"batch/pool/{p}/groups": float(sum(g.pool == p for g in groups)) for p in self.pool_names},
                         **{k: v for k, v in fm.items()}, **self.buffer.metrics(), **self.gate.metrics(),
+                        **(self.chaos_ledger.metrics() if cfg.fleet.chaos is not None else {}),
                         **{f"rollout/{k}": float(v) for k, v in self._counts.items()},
                         "rollout/retracted": float(len(self._retracted)),
                     }
@@ -681,14 +732,17 @@ class AsyncOrchestrator(abc.ABC):
             "rollouts_rejected": self._counts["rollouts_rejected"], "requeues": int(fm["fleet/requeues"]),
             "output_dir": str(self.output_dir), "errors_sample": self._errors[-5:],
             "continuation_failures": self._counts["continuation_failures"],
-            "quarantined": self.gate.quarantined(),
+            "quarantined": self.gate.quarantined(), "replica_restarts": int(fm["fleet/restarts"]),
+            "groups_pending": len(self.buffer), "groups_in_flight": len(self._unfinished),
+            **({k.replace("chaos/", "chaos_"): int(v) for k, v in self.chaos_ledger.metrics().items()}
+               if cfg.fleet.chaos is not None else {}),
         }
         (self.output_dir / "summary.json").write_text(json.dumps(final, indent=2))
         return RunResult(history, final, trained, list(self.result_received), list(self.result_submitted),
                          list(self._retracted), {k: list(v) for k, v in self._rollout_versions.items()},
                          {k: list(v) for k, v in self._rollout_spans.items()}, list(self._rewards),
                          self.output_dir, self.metrics_path, self.tensorboard_dir, plots, self.checkpoint_dir, steps,
-                         list(self._rejected))
+                         list(self._rejected), list(self._failed), list(self._unfinished))
 
     # ================================================================== helpers
     def _buffer_dropped(self) -> int:

@@ -67,6 +67,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInf
 
 from hetrl.core.admission import QuarantineConfig
 from hetrl.samplers.base import Generation, GenerationRequest, Sampler
+from hetrl.samplers.faults import ChaosConfig
 from hetrl.samplers.profiles import CATALOGUE, SamplerNumerics, get_profile
 
 __all__ = ["Engine", "Endpoint", "ServerOptions", "is_loopback_host", "PoolConfig", "RestartPolicy", "FleetConfig", "Replica", "JobResult", "Fleet",
@@ -283,7 +284,9 @@ class FleetConfig(BaseModel):
     accelerator would take, for embedded pools that all run on the same CPU.
 
     ``quarantine``: when a pool returning too many rejected rollouts is taken out of routing.
-    ``restart``: whether and when a dead replica is built again (:class:`RestartPolicy`)."""
+    ``restart``: whether and when a dead replica is built again (:class:`RestartPolicy`).
+    ``chaos``: random faults injected into every replica, for soak runs and drills
+    (:class:`hetrl.samplers.faults.ChaosConfig`; None: none)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -294,6 +297,7 @@ class FleetConfig(BaseModel):
                                           description="decode tokens/s of one H100-bf16 replica (modelled clock)")
     quarantine: QuarantineConfig = QuarantineConfig()
     restart: RestartPolicy = RestartPolicy()
+    chaos: ChaosConfig | None = None
 
     @field_validator("pools")
     @classmethod
