@@ -328,6 +328,8 @@ def test_report_on_synthetic_runs_is_complete_and_judges_the_claims(tmp_path):
     # (2); the weight-aligned fleet at 2/4.7 of the mixed KL, growing uncorrected and flat corrected (3)
     assert verdicts == [claims.AGREES] * 4
     assert "### Claim 1 (E1, Megatron trainer)" in text
+    # every arm scores like the homogeneous one; `fixed` is the one at 0.85x the cost per token
+    assert re.search(r"Cheapest fleet matching the homogeneous score .*: `fixed`, at 0\.850 \[", text)
     assert "ratio of `k3_mean` of `runs/mixed/s*/metrics.jsonl`" in text
     # the verdicts follow the data: with the mixed fleet at the homogeneous KL, claim 1 disagrees, and so does claim 3
     # (the weight-aligned fleet is then above the mixed one)

@@ -158,7 +158,31 @@ def _e3(grid: _Grid, out: pathlib.Path, claim: Claim) -> list[str]:
              *_figure(out, png, "cost per million trained tokens")]
     if claim.findings:
         lines += [f"- {f.statement}: {f.measured}: **{f.verdict}**." for f in claim.findings] + [""]
+    e3 = grid.plan.config.analyses.e3
+    if e3 is not None:
+        lines += [_cheapest_match(grid, e3.homogeneous, e3.score_margin), ""]
     return lines
+
+
+def _cheapest_match(grid: _Grid, homogeneous: str, margin: float) -> str:
+    """The cheapest arm (mean cost per trained token) whose final held-out success is not shown
+    worse than ``homogeneous``'s by more than ``margin`` (Welch interval's upper end >= −margin),
+    with its cost ratio to ``homogeneous``."""
+    base = column(grid.by_arm, homogeneous, "heldout_end")
+    matches = []
+    for arm in grid.plan.arms:
+        diff = welch_interval(column(grid.by_arm, arm, "heldout_end"), base)
+        if arm != homogeneous and diff.has_interval and diff.hi >= -margin:
+            matches.append((grid.estimate(arm, "usd_per_mtok").value, arm))
+    rule = (f"final held-out success not shown worse than `{homogeneous}`'s by more than {margin:g} "
+            f"(upper end of the Welch 95% CI of the difference >= −{margin:g})")
+    if not matches:
+        return f"- Cheapest fleet matching the homogeneous score ({rule}): none qualifies."
+    _, arm = min(matches)
+    ratio = bootstrap_ratio(column(grid.by_arm, arm, "usd_per_mtok"), column(grid.by_arm, homogeneous, "usd_per_mtok"))
+    return (f"- Cheapest fleet matching the homogeneous score ({rule}; {len(matches)} of {len(grid.plan.arms) - 1} "
+            f"arms qualify): `{arm}`, at {ratio.format('.3f')} times `{homogeneous}`'s cost per trained token "
+            f"(ratio of `usd_per_mtok` means).")
 
 
 def _e4(grid: _Grid, out: pathlib.Path) -> list[str]:
