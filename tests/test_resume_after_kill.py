@@ -1,5 +1,8 @@
 """The trainer process killed at a random point, then `hetrl train --resume` (local backend).
 
+Two schedules. ``lockstep`` (deterministic): the killed-and-resumed run's metrics equal an
+uninterrupted run's exactly, every key but wall-clock timings. ``async`` (the default), below:
+
 A real `hetrl train` subprocess (tiny homogeneous config, small batches, a checkpoint every
 step) is SIGKILLed once its step-2 checkpoint and loop state are on disk and the run has moved
 on; the same command with ``--resume`` then finishes the run. Checked: the resumed run restores
@@ -20,8 +23,9 @@ import time
 
 import pytest
 
-STEPS = 5
+STEPS = 4
 KILL_AFTER_STEP = 2
+TIMING_PREFIXES = ("time/", "throughput/")  # wall-clock measurements: the only keys allowed to differ
 RUN_TIMEOUT_S = 600
 
 
@@ -39,10 +43,9 @@ def _steps(path: pathlib.Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
 
 
-@pytest.fixture(scope="module")
-def killed_and_resumed(tmp_path_factory):
-    out = tmp_path_factory.mktemp("resume_run")
-    proc = subprocess.Popen(_command(out), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+def _kill_and_resume(out: pathlib.Path, *extra: str):
+    """Run, SIGKILL once the step-2 state is on disk and a later record is written, resume."""
+    proc = subprocess.Popen(_command(out, *extra), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     state = out / "checkpoints" / f"loop-{KILL_AFTER_STEP}.json"
     deadline = time.monotonic() + RUN_TIMEOUT_S
     try:
@@ -57,9 +60,34 @@ def killed_and_resumed(tmp_path_factory):
         proc.wait(timeout=60)
     before = {"steps": _steps(out / "metrics.jsonl"), "loop": json.loads(state.read_text()),
               "checkpoints": sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())}
-    resumed = subprocess.run(_command(out, "--resume"), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    resumed = subprocess.run(_command(out, *extra, "--resume"), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert resumed.returncode == 0, resumed.stderr[-6000:]
+    return before, resumed
+
+
+@pytest.fixture(scope="module")
+def killed_and_resumed(tmp_path_factory):
+    out = tmp_path_factory.mktemp("resume_run")
+    before, resumed = _kill_and_resume(out)
     return out, before, resumed
+
+
+LOCKSTEP = ("--set", "async.schedule=lockstep", "--set", "async.max_staleness=0")
+
+
+def test_lockstep_resume_after_a_kill_reproduces_the_uninterrupted_run_exactly(tmp_path):
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    done = subprocess.run(_command(whole, *LOCKSTEP), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-6000:]
+    before, _ = _kill_and_resume(cut, *LOCKSTEP)
+    assert max(before["steps"]) > KILL_AFTER_STEP  # killed past its checkpoint: steps redone after the resume
+    expected = [json.loads(x) for x in (whole / "metrics.jsonl").read_text().splitlines()]
+    got = [json.loads(x) for x in (cut / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in got] == [r["step"] for r in expected] == list(range(1, STEPS + 1))
+    for e, g in zip(expected, got):
+        keys = {k for k in e.keys() | g.keys() if not k.startswith(TIMING_PREFIXES)}
+        assert len(keys) > 50
+        assert {k: g.get(k) for k in keys} == {k: e.get(k) for k in keys}, e["step"]
 
 
 def test_the_kill_came_after_the_checkpoint(killed_and_resumed):

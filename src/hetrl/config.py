@@ -194,7 +194,12 @@ class AsyncSection(_Strict):
     (one prompt each). No trained group is older than ``max_staleness`` weight versions;
     ``stale_policy`` drops or regenerates older ones. ``weight_update``: pools load new weights
     ``between_requests`` (in-flight requests finish on the old ones) or ``abort`` in-flight
-    requests and resample them on the new ones."""
+    requests and resample them on the new ones. ``schedule``: ``async`` (replicas generate
+    continuously in their own threads) or ``lockstep``: deterministic: each step, the trainer's
+    thread generates the batch's groups itself, group i on replica ``i mod n`` (alive replicas,
+    fleet order), every replica reseeded from (seed, step, replica), then trains on them in group
+    order; a run, and a run resumed from any of its checkpoints, gives the same result for the same
+    seed (embedded pools only; needs ``max_staleness: 0``)."""
 
     group_size: int = Field(4, ge=1)
     batch_groups: int = Field(8, ge=1)
@@ -203,6 +208,14 @@ class AsyncSection(_Strict):
     weight_update: Literal["between_requests", "abort"] = "between_requests"
     max_new_tokens: int = Field(64, ge=1)
     sampling: SamplingParams = SamplingParams()
+    schedule: Literal["async", "lockstep"] = "async"
+
+    @model_validator(mode="after")
+    def _lockstep(self) -> "AsyncSection":
+        if self.schedule == "lockstep" and (self.max_staleness != 0 or self.weight_update != "between_requests"):
+            raise ValueError("schedule 'lockstep' generates each batch on the current weights: it needs "
+                             "max_staleness: 0 and weight_update: between_requests")
+        return self
 
 
 class EnvironmentSection(_Strict):
@@ -262,6 +275,13 @@ class RunConfig(_Strict):
     logging: LoggingSection = LoggingSection()
     checkpointing: CheckpointingSection = CheckpointingSection()
     ray: RaySection = RaySection()
+
+    @model_validator(mode="after")
+    def _lockstep_pools(self) -> "RunConfig":
+        if self.async_.schedule == "lockstep" and any(p.engine != "embedded" for p in self.fleet.pools):
+            raise ValueError("async.schedule 'lockstep' reseeds every replica each step: embedded pools only "
+                             "(a server's sampling is not reproducible from a seed)")
+        return self
 
     @model_validator(mode="after")
     def _server_supports_exact(self) -> "RunConfig":

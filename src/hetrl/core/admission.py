@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -135,6 +135,20 @@ class RolloutGate:
                                f"{self.config.max_rejection_rate}); most frequent reasons: {top}; "
                                f"last: {rec.last_error}")
             return Admission([], errors, [], rec.quarantined)
+
+    def state(self) -> dict[str, Any]:
+        """Per pool: counts, rejection reasons, the recent window and any quarantine, as
+        JSON-able data (a checkpoint's; :meth:`restore_state` continues from it)."""
+        with self._lock:
+            return {pool: {"admitted": rec.admitted, "reasons": dict(rec.reasons), "recent": list(rec.recent),
+                           "last_error": rec.last_error, "quarantined": rec.quarantined}
+                    for pool, rec in self._pools.items()}
+
+    def restore_state(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state`'s record (a quarantined pool stays quarantined)."""
+        with self._lock:
+            self._pools = {pool: _PoolRecord(int(rec["admitted"]), Counter(rec["reasons"]), deque(rec["recent"]),
+                                             rec["last_error"], rec["quarantined"]) for pool, rec in state.items()}
 
     def is_quarantined(self, pool: str) -> bool:
         with self._lock:

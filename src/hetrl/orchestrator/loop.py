@@ -60,9 +60,11 @@ group ids continue after the last one used (no id is reused), the prompts of gro
 the checkpoint are submitted first, and the counters (rollout counts, the fleet's requests,
 tokens, busy time and cost) continue. Metric records the interrupted run wrote after the
 checkpoint are dropped from the JSONL (those steps are trained again; a new TensorBoard event
-file starts at the checkpoint's step). Not restored: the samplers' random streams and the
-timing of the asynchronous schedule, so a resumed run continues the same training, not the same
-samples.
+file starts at the checkpoint's step). Under the default ``async`` schedule the samplers' random
+streams and the timing are not replayed, so a resumed run continues the same training, not the
+same samples. Under ``async.schedule: lockstep`` (:meth:`AsyncOrchestrator._lockstep_round`)
+nothing depends on timing, and a run resumed from any checkpoint reproduces the uninterrupted
+run exactly (every metric but wall-clock timings).
 
 **Held-out evaluation** every ``environment.options.eval.every`` steps: a fixed subset of
 ``eval.tasks`` held-out tasks, one episode each, with the trainer's current weights on a
@@ -423,7 +425,11 @@ class AsyncOrchestrator(abc.ABC):
         self._outstanding += 1
         self._unfinished[gid] = task.task_id
         self.result_submitted.append(gid)
-        self.fleet.submit(gid, self.runner.requests(gid, spec.prompt, a.group_size, a.sampling))
+        pin = None
+        if a.schedule == "lockstep":  # group i on alive replica i mod n, in fleet order
+            alive = [r.key for r in self.fleet.replicas if r.alive]
+            pin = alive[int(gid[1:]) % len(alive)] if alive else None
+        self.fleet.submit(gid, self.runner.requests(gid, spec.prompt, a.group_size, a.sampling), replica=pin)
 
     def _next_task(self) -> Task:
         """The next train task: passes over the train functions in a fresh random order, pass
@@ -529,6 +535,26 @@ class AsyncOrchestrator(abc.ABC):
             else:
                 self._outstanding -= 1
 
+    def _lockstep_round(self) -> None:
+        """``schedule: lockstep``: submit what the step still needs, then, replica by replica in
+        fleet order, reseed it from (seed, trainer version, replica) and serve every job pinned
+        to it, playing each group to the end and buffering it, all in this thread. So the step's
+        groups, their samples and their order are a function of the run's state alone."""
+        self._top_up()
+        version, served = self.trainer.version, False
+        for r in self.fleet.replicas:
+            if not (r.alive and r.assigned):
+                continue
+            reseed = getattr(r.sampler, "reseed", None)
+            if reseed is not None:
+                reseed(zlib.crc32(f"{self.config.seed}/{version}/{r.key}".encode()))
+            while r.alive and r.assigned:
+                for result in self.fleet.serve_once(r, timeout=0):
+                    served = True
+                    self._finish_group(r, result)
+        if not served:  # nothing to serve (replicas dead and restarting): do not spin
+            time.sleep(0.1)
+
     def _restart_dead_replicas(self) -> bool:
         """Start rebuilding each dead replica whose :class:`RestartPolicy` allows it (its pool not
         quarantined, restarts left, ``delay_s`` passed since it died), each in its own thread.
@@ -557,7 +583,7 @@ class AsyncOrchestrator(abc.ABC):
             health = sampler.health()
             if not health.healthy:
                 raise RuntimeError(f"unhealthy after restart: {health.detail}")
-            if self.fleet.revive(replica, sampler):
+            if self.fleet.revive(replica, sampler) and not self._lockstep:
                 worker = threading.Thread(target=self._worker, args=(replica,), name=f"worker-{replica.key}", daemon=True)
                 self._threads.append(worker)
                 worker.start()
@@ -638,6 +664,9 @@ class AsyncOrchestrator(abc.ABC):
                          for r in self.fleet.replicas]
         self._restarting: set[str] = set()
         self._restart_attempts: dict[str, int] = {}
+        self._lockstep = cfg.async_.schedule == "lockstep"
+        if self._lockstep:  # the trainer's thread generates (_lockstep_round): no worker threads
+            self._threads = []
         self._top_up()
         for t in self._threads:
             t.start()
@@ -650,7 +679,10 @@ class AsyncOrchestrator(abc.ABC):
                     wait_start = time.monotonic()
                     groups: list[RolloutGroup] = []
                     while not groups and not self._stop_requested.is_set():
-                        groups = self.buffer.take(a.batch_groups, self.trainer.version, timeout=0.5)
+                        if self._lockstep:
+                            self._lockstep_round()
+                        groups = self.buffer.take(a.batch_groups, self.trainer.version,
+                                                  timeout=0.0 if self._lockstep else 0.5)
                         self._top_up()
                         restartable = self._restart_dead_replicas()
                         if not groups and not restartable and not any(r.alive for r in self.fleet.replicas):
@@ -751,7 +783,8 @@ class AsyncOrchestrator(abc.ABC):
     def _snapshot_state(self) -> None:
         """Beside the trainer's checkpoint at its version: the buffer (``buffer-<v>.json``) and the
         loop's own state (``loop-<v>.json``: data order, next group id, the tasks of groups in
-        flight, counters and the fleet's cumulative counters), taken together under the lock."""
+        flight, counters, the fleet's cumulative counters and the admission gate's record),
+        taken together under the lock."""
         v = self.trainer.version
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         with self._lock:
@@ -760,7 +793,7 @@ class AsyncOrchestrator(abc.ABC):
                 "version": v, "next_gid": self._next_gid, "rng": self._rng.bit_generator.state,
                 "order": [int(i) for i in self._order], "passes": self._passes,
                 "in_flight_tasks": list(self._unfinished.values()), "counts": dict(self._counts),
-                "fleet": self.fleet.counters_state(),
+                "fleet": self.fleet.counters_state(), "admission": self.gate.state(),
             }
         write_atomic(self.checkpoint_dir / f"buffer-{v}.json", json.dumps(buffer))
         write_atomic(self.checkpoint_dir / f"loop-{v}.json", json.dumps(loop))
@@ -778,6 +811,9 @@ class AsyncOrchestrator(abc.ABC):
         self._counts.update({k: int(v) for k, v in state["counts"].items() if k in self._counts})
         self._carried_over = [self._tasks_by_id[t] for t in state["in_flight_tasks"] if t in self._tasks_by_id]
         self.fleet.restore_counters(state["fleet"])
+        self.gate.restore_state(state["admission"])
+        for pool, reason in self.gate.quarantined().items():
+            self.fleet.quarantine(pool, reason)
 
     def _prune_snapshots(self, keep_steps: list[int]) -> None:
         for pattern in ("buffer-*.json", "loop-*.json"):

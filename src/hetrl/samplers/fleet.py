@@ -322,6 +322,7 @@ class _Job:
     job_id: str
     requests: tuple[GenerationRequest, ...]
     attempts: int = 0
+    pinned: str | None = None  # the replica key it must run on, while that replica is alive
 
 
 @dataclass(frozen=True, eq=False)
@@ -419,8 +420,10 @@ class Fleet:
                    reference_tokens_per_s=config.reference_tokens_per_s)
 
     # ------------------------------------------------------------------ submitting and weights
-    def submit(self, job_id: str, requests: Sequence[GenerationRequest]) -> None:
-        """Queue a job (the requests one replica generates together). Job ids are unique."""
+    def submit(self, job_id: str, requests: Sequence[GenerationRequest], replica: str | None = None) -> None:
+        """Queue a job (the requests one replica generates together). Job ids are unique.
+        ``replica``: pin it to that replica (a deterministic schedule's fixed assignment); if
+        the replica dies or is quarantined, the job is routed like any other."""
         if not requests:
             raise ValueError(f"job {job_id!r} has no requests")
         with self._cond:
@@ -429,7 +432,9 @@ class Fleet:
             if job_id in self._job_ids:
                 raise ValueError(f"job id {job_id!r} was already submitted")
             self._job_ids.add(job_id)
-            self._queue.append(_Job(job_id, tuple(requests)))
+            if replica is not None and replica not in self._by_key:
+                raise ValueError(f"job {job_id!r}: no replica {replica!r}")
+            self._queue.append(_Job(job_id, tuple(requests), pinned=replica))
             self._dispatch_locked()
 
     def publish_weights(self, version: int, weights: Mapping[str, np.ndarray]) -> None:
@@ -698,6 +703,12 @@ class Fleet:
     def _dispatch_locked(self) -> None:
         while self._queue:
             job = self._queue[0]
+            pinned = self._by_key.get(job.pinned) if job.pinned else None
+            if pinned is not None and pinned.alive:
+                pinned.assigned.append(self._queue.popleft())
+                self._cond.notify_all()
+                continue
+            job.pinned = None  # its replica is gone: route it like any other
             n = len(job.requests)
             candidates = [r for r in self.replicas if r.alive and (r.load + n <= r.slots or r.load == 0)]
             if not candidates:
