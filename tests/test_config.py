@@ -133,6 +133,15 @@ def test_switching_the_trainer_translates_its_section():
         translate_trainer_section({"kind": "jax"}, "tpu")
 
 
+def test_lockstep_schedule_needs_synchronous_embedded_pools():
+    ok = load_config("tiny_mixed.yaml", ["async.schedule=lockstep", "async.max_staleness=0"])
+    assert ok.async_.schedule == "lockstep"
+    with pytest.raises(ConfigError, match="max_staleness: 0"):
+        load_config("tiny_mixed.yaml", ["async.schedule=lockstep", "async.max_staleness=1"])
+    with pytest.raises(ConfigError, match="embedded pools only"):
+        load_config("tiny_mixed_sglang.yaml", ["async.schedule=lockstep", "async.max_staleness=0"])
+
+
 # ---------------------------------------------------------------------- overrides
 def test_overrides_are_typed_and_reach_lists():
     c = load_config("tiny_mixed.yaml", ["fleet.pools[0].replicas=3", "async.max_staleness=0", "steps=5",

@@ -266,6 +266,19 @@ def test_a_revived_replica_loads_the_published_weights_and_serves_again():
     assert not fleet.revive("doomed/0", FakeSampler(doomed))  # a quarantined pool stays out
 
 
+def test_pinned_jobs_run_on_their_replica_until_it_dies():
+    fleet, (a, b) = fleet_of((pool("p", "h100", replicas=2), {}), (pool("p2", "h100"), {}))
+    for i in range(4):
+        fleet.submit(f"g{i}", requests(f"g{i}"), replica="p/0")  # all on one replica, whatever the load
+    assert [len(r.assigned) for r in fleet.replicas] == [4, 0]
+    with pytest.raises(ValueError, match="no replica 'nope/0'"):
+        fleet.submit("bad", requests("bad"), replica="nope/0")
+    a.healthy = False
+    assert fleet.serve_once("p/0", timeout=1) == []  # dies: its pinned jobs are routed like any other
+    assert [len(r.assigned) for r in fleet.replicas] == [0, 4]
+    assert {res.job_id for res in fleet.serve_once("p2/0", timeout=1)} == {"g0", "g1", "g2", "g3"}
+
+
 def to_rollout(group_id: str, g: Generation) -> Rollout:
     T = g.token_ids.shape[0]
     return Rollout(rollout_id=g.request_id, group_id=group_id, prompt_ids=np.array([1, 2], np.int32),
