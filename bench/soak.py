@@ -17,7 +17,7 @@ every received group trained, dropped by the staleness policy or pending.
 
 Writes ``soak.json`` (settings, steps, faults injected, restarts, rejections by reason, the audit)
 and ``soak.png`` (reward and faults over the run) to ``--out``; the run's own outputs go to
-``runs/soak/``.
+``runs/soak/`` (emptied first).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import argparse
 import datetime
 import json
 import pathlib
+import shutil
 import threading
 import time
 
@@ -50,6 +51,7 @@ def main() -> None:
     args = parser.parse_args()
 
     run_dir = pathlib.Path(args.run_dir)
+    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: metrics and checkpoints of an earlier soak would mix in
     chaos = {"seed": args.seed, "kill_rate": args.kill_rate, "slow_rate": args.slow_rate, "slow_s": args.slow_s,
              "poison_rate": args.poison_rate}
     cfg = load_config("tiny_mixed.yaml", [
