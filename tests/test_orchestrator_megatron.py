@@ -65,8 +65,8 @@ def test_the_mismatch_is_that_of_bf16_samplers_of_the_trainers_weights(runs):
 
 def test_checkpoints_are_complete_step_directories_with_retention(runs):
     out, _, _, first_checkpoints, *_ = runs
-    # keep=1: step 1 pruned; no partial directory left behind; the buffer's snapshot beside it
-    assert first_checkpoints == ["2", "buffer-2.json"]
+    # keep=1: step 1 pruned; no partial directory left behind; the buffer's and the loop's state beside it
+    assert first_checkpoints == ["2", "buffer-2.json", "loop-2.json"]
     assert (out / "checkpoints" / "3" / "metadata.json").exists()  # after the resumed run
 
 
