@@ -86,6 +86,7 @@ import pathlib
 import threading
 import time
 import zlib
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
 
@@ -262,12 +263,9 @@ class RunResult:
         outcomes = {"received": self.received, "rejected": self.rejected, "retracted": self.retracted,
                     "failed": self.failed}
         trained = [g for g, *_ in self.trained]
-        seen: dict[str, int] = {}
-        for ids in outcomes.values():
-            for gid in set(ids):
-                seen[gid] = seen.get(gid, 0) + 1
-        duplicated = sorted({g for g in trained if trained.count(g) > 1} | {g for g, n in seen.items() if n > 1}
-                            | {g for ids in outcomes.values() for g in ids if ids.count(g) > 1})
+        seen = Counter(g for ids in outcomes.values() for g in set(ids))  # id -> how many outcomes name it
+        repeats = Counter(trained) + Counter(g for ids in outcomes.values() for g in ids)
+        duplicated = sorted({g for g, n in repeats.items() if n > seen[g] + (g in trained)} | {g for g, n in seen.items() if n > 1})
         accounted = set(seen) | set(self.unfinished)
         dropped, pending = int(self.final.get("groups_dropped", 0)), int(self.final.get("groups_pending", 0))
         return {
