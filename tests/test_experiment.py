@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
 import re
 
@@ -21,7 +22,7 @@ from hetrl.experiment.fleets import draw_fleets
 from hetrl.experiment.measures import run_values
 from hetrl.experiment.plan import ExperimentPlan, RunSpec, build_plan
 from hetrl.experiment.report import MEASURES_FILE, REPORT_FILE, SECTIONS, write_report
-from hetrl.experiment.runner import COMPLETE_MARKER, run_directory, run_grid
+from hetrl.experiment.runner import COMPLETE_MARKER, default_jobs, run_directory, run_grid
 from hetrl.experiment.statistics import Estimate, bootstrap_ratio, ols_slope, t_interval, welch_interval
 from hetrl.samplers.profiles import CATALOGUE, REFERENCE_KIND
 
@@ -392,3 +393,12 @@ def test_hetrl_experiment_end_to_end_on_a_tiny_grid(tmp_path, monkeypatch, capsy
     assert text.count(claims.NO_INTERVAL) >= 3  # one seed: every finding says it has no CI
     assert main(["experiment", str(grid), "--out", str(out), "--no-progress"]) == 0
     assert "runs: 0 trained, 2 already complete, 0 failed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("cores, available_gib, expected", [(2, 24, 2), (8, 7, 2), (4, 1, 1), (1, 64, 1)])
+def test_default_jobs_is_one_per_core_unless_memory_holds_fewer_runs(monkeypatch, cores, available_gib, expected):
+    page = 4096
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setattr(os, "sysconf", lambda name: {"SC_PAGE_SIZE": page,
+                                                     "SC_AVPHYS_PAGES": available_gib * 2**30 // page}[name])
+    assert default_jobs(run_memory_bytes=3 * 2**30) == expected

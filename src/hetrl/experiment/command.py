@@ -3,7 +3,8 @@
 ``CONFIG`` is an experiment YAML (:mod:`hetrl.experiment.config`; a path or a name in
 ``configs/``). Every run that is not complete under ``DIR`` (default
 ``runs/experiments/<name>``, ``<name>-quick`` with ``--quick``) is trained
-(:mod:`hetrl.experiment.runner`), ``N`` at a time; then ``DIR/REPORT.md`` and its plots are
+(:mod:`hetrl.experiment.runner`), ``N`` at a time (default: one per core, memory
+permitting); then ``DIR/REPORT.md`` and its plots are
 written (:mod:`hetrl.experiment.report`). Running the same command again only runs what is
 missing and rewrites the report. Exit status: 0 with the report written, 1 on a config problem
 or when a run failed (its log is named; the report needs every run).
@@ -24,7 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="the config's scaled-down `quick` grid")
     parser.add_argument("--out", default=None,
                         help="output directory (default runs/experiments/<name>, or <name>-quick with --quick)")
-    parser.add_argument("--jobs", type=int, default=1, help="runs trained at the same time (default 1)")
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="runs trained at the same time (default: one per CPU core, fewer if memory is short)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -32,14 +34,16 @@ def run(args: argparse.Namespace) -> int:
     from hetrl.experiment.config import ExperimentError, load_experiment
     from hetrl.experiment.plan import build_plan
     from hetrl.experiment.report import write_report
-    from hetrl.experiment.runner import run_grid
+    from hetrl.experiment.runner import default_jobs, run_grid
 
     try:
         config, source = load_experiment(args.config, quick=args.quick)
         plan = build_plan(config, source)
         out = pathlib.Path(args.out or f"runs/experiments/{config.name}{'-quick' if args.quick else ''}")
-        print(f"hetrl experiment {config.name}: {len(plan.runs)} runs of {len(plan.arms)} arms -> {out}")
-        outcome = run_grid(plan, out, jobs=args.jobs, progress=not args.no_progress)
+        jobs = default_jobs() if args.jobs is None else args.jobs
+        print(f"hetrl experiment {config.name}: {len(plan.runs)} runs of {len(plan.arms)} arms, {jobs} at a time "
+              f"-> {out}")
+        outcome = run_grid(plan, out, jobs=jobs, progress=not args.no_progress)
     except ExperimentError as err:
         print(f"hetrl experiment: {err}", file=sys.stderr)
         return 1

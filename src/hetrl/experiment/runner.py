@@ -38,12 +38,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from hetrl.experiment.config import ExperimentError
 from hetrl.experiment.plan import ExperimentPlan, RunSpec
 
-__all__ = ["COMPLETE_MARKER", "SPEC_FILE", "LOG_FILE", "Launcher", "SubprocessLauncher", "GridOutcome",
-           "run_directory", "train_command", "is_complete", "run_grid"]
+__all__ = ["COMPLETE_MARKER", "SPEC_FILE", "LOG_FILE", "RUN_MEMORY_BYTES", "Launcher", "SubprocessLauncher",
+           "GridOutcome", "default_jobs", "run_directory", "train_command", "is_complete", "run_grid"]
 
 COMPLETE_MARKER = "summary.json"
 SPEC_FILE = "experiment_run.json"
 LOG_FILE = "train.log"
+RUN_MEMORY_BYTES = 3 * 2**30
+"""Memory one tiny run may take at its peak (measured: 1.7 GiB resident for a JAX run, more for Megatron)."""
 
 Launcher = Callable[[RunSpec, list[str], pathlib.Path], int]
 """Runs ``argv`` for ``spec`` with its run directory; returns the exit status."""
@@ -68,6 +70,18 @@ class GridOutcome:
     completed: list[RunSpec] = field(default_factory=list)
     skipped: list[RunSpec] = field(default_factory=list)
     failed: list[tuple[RunSpec, int, pathlib.Path]] = field(default_factory=list)
+
+
+def default_jobs(run_memory_bytes: int = RUN_MEMORY_BYTES) -> int:
+    """Runs to train at once when ``--jobs`` is not given: one per CPU core this process may use
+    (a tiny run keeps about one core busy), fewer if the available memory holds fewer runs of
+    ``run_memory_bytes``; at least 1."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):  # no sysconf names on this platform: cores decide
+        return max(1, cores)
+    return max(1, min(cores, available // run_memory_bytes))
 
 
 def run_directory(out: pathlib.Path, spec: RunSpec) -> pathlib.Path:
