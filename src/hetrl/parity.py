@@ -58,7 +58,7 @@ from hetrl.models import ModelConfig, load_state_dict, save_state_dict
 from hetrl.models.tiny import TINY_QWEN2, TINY_QWEN3, build_tiny_checkpoint
 
 __all__ = [
-    "BACKENDS", "Row", "build_parity_checkpoint", "claim_master_port", "load_backends", "parity_batch", "random_batch", "check", "report",
+    "BACKENDS", "Row", "build_parity_checkpoint", "load_backends", "parity_batch", "random_batch", "check", "report",
     "reference_logprobs", "transformers_logits", "update_relative_error", "add_arguments", "run",
 ]
 
@@ -139,21 +139,10 @@ def _jax_trainer(compute_dtype: str) -> Callable[[pathlib.Path], Any]:
     return load
 
 
-def claim_master_port() -> None:
-    """For a single-process megatron run (no ``WORLD_SIZE``, no ``MASTER_PORT`` set): point
-    ``MASTER_PORT`` at a free local port, so concurrent runs on one machine do not collide on
-    torch.distributed's default 29500."""
-    if "MASTER_PORT" not in os.environ and "WORLD_SIZE" not in os.environ:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
-
-
 def _megatron_trainer(bf16: bool) -> Callable[[pathlib.Path], Any]:
     def load(directory: pathlib.Path):
         from hetrl.trainer_megatron import MegatronTrainer, MegatronTrainerConfig
 
-        claim_master_port()
         config = MegatronTrainerConfig(bf16=bf16, micro_batch_size=MEGATRON_MICRO_BATCH, correction_preset="hetrl",
                                        optimizer=OPTIMIZER)
         return MegatronTrainer.from_hf(directory, config)

@@ -22,6 +22,7 @@ logits.
 from __future__ import annotations
 
 import os
+import socket
 
 import torch
 import torch.nn.functional as F
@@ -36,17 +37,28 @@ __all__ = [
 ]
 
 
+def _free_local_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def initialize_parallel(parallel: ParallelConfig) -> None:
     """Start ``torch.distributed`` (from the usual RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT
     variables, single-process defaults otherwise) and megatron's parallel state, then seed the
     model-parallel RNG tracker. Idempotent for the same sizes. Without CUDA, the CPU test shim
-    is applied first (:mod:`.cpu_shim`)."""
+    is applied first (:mod:`.cpu_shim`).
+
+    A single process (no ``WORLD_SIZE``) without ``MASTER_PORT`` takes a free local port, not
+    torch's fixed 29500, so single-rank runs side by side on one machine (an experiment grid's
+    ``--jobs``) do not collide on it."""
     apply_cpu_shim_if_needed()
     from megatron.core import parallel_state, tensor_parallel
 
     if not torch.distributed.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
+        if "MASTER_PORT" not in os.environ:
+            os.environ["MASTER_PORT"] = "29500" if "WORLD_SIZE" in os.environ else str(_free_local_port())
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
         if torch.cuda.is_available():
