@@ -143,6 +143,7 @@ def _write(tmp_path: pathlib.Path, data: dict) -> pathlib.Path:
     (lambda d: d["arms"]["homog"].update(overide={}), r"arms\.homog\.overide: Extra inputs are not permitted"),
     (lambda d: d["analyses"]["e1"].update(mixed="nope"), r"analyses\.e1\.mixed: unknown arm 'nope'"),
     (lambda d: d.update(seeds=[1, 1]), r"seeds: .*distinct"),
+    (lambda d: d.update(caveats={"e2": "x"}), r"caveats\.e2: not an analysis that tests a claim"),
     (lambda d: d.update(any_mixture={"min_pools": 3, "max_pools": 2}), r"min_pools <= max_pools"),
     (lambda d: d.update(any_mixture={"kinds": ["fp32"]}), r"any_mixture\.kinds: .*unknown accelerator kind 'fp32'"),
     (lambda d: d.update(quick={"arms": ["gone"]}), r"quick\.arms\[0\]: unknown arm 'gone'"),
@@ -320,7 +321,9 @@ def check_report(out: pathlib.Path, plan: ExperimentPlan) -> str:
 
 
 def test_report_on_synthetic_runs_is_complete_and_judges_the_claims(tmp_path):
-    plan, out = _fake_plan(tmp_path, megatron=True, any_mixture={"fleets": 2, "seed": 3}), tmp_path / "out"
+    caveats = {"e1": "E1 READING: few tokens per step.", "megatron": "MEGATRON READING."}
+    plan = _fake_plan(tmp_path, megatron=True, any_mixture={"fleets": 2, "seed": 3}, caveats=caveats)
+    out = tmp_path / "out"
     run_grid(plan, out, launcher=FakeLauncher(), progress=False)
     write_report(plan, out, command="hetrl experiment grid.yaml")
     text = check_report(out, plan)
@@ -328,6 +331,7 @@ def test_report_on_synthetic_runs_is_complete_and_judges_the_claims(tmp_path):
     # the fake data is built to agree: 4.7x the KL (claim 1, with either trainer); the same score at 0.85x the cost
     # (2); the weight-aligned fleet at 2/4.7 of the mixed KL, growing uncorrected and flat corrected (3)
     assert verdicts == [claims.AGREES] * 4
+    assert "Every tested claim agrees." in text and "READING" not in text
     assert "### Claim 1 (E1, Megatron trainer)" in text
     # every arm scores like the homogeneous one; `fixed` is the one at 0.85x the cost per token
     assert re.search(r"Cheapest fleet matching the homogeneous score .*: `fixed`, at 0\.850 \[", text)
@@ -337,8 +341,14 @@ def test_report_on_synthetic_runs_is_complete_and_judges_the_claims(tmp_path):
     out2 = tmp_path / "out2"
     run_grid(plan, out2, launcher=FakeLauncher(k3={**K3, "mixed": 1e-4}), progress=False)
     write_report(plan, out2, command="x")
-    verdicts = re.findall(r"\*\*Verdict: (.+?)\.\*\*", (out2 / REPORT_FILE).read_text())
+    text = (out2 / REPORT_FILE).read_text()
+    verdicts = re.findall(r"\*\*Verdict: (.+?)\.\*\*", text)
     assert verdicts == [claims.DISAGREES, claims.AGREES, claims.DISAGREES, claims.AGREES]  # the Megatron arms kept 4.7x
+    # under the claims, each one that parts from the public result with the config's reading of it (or the lack of one)
+    parting = text[text.index("### Where the measurement and the public result part"):text.index(SECTIONS[1])]
+    assert "- **Claim 1 (E1), disagrees.** E1 READING: few tokens per step." in parting
+    assert "- **Claim 3 (E4), disagrees.** (the experiment config gives no reading of this: `caveats.e4`)" in parting
+    assert "MEGATRON READING" not in parting and "Claim 2" not in parting
 
 
 def test_the_report_check_catches_an_incomplete_report(tmp_path):

@@ -22,6 +22,9 @@ The analyses name the arms they compare, so the file says which runs answer whic
 every name must be an arm of the grid. ``quick`` scales the grid down (fewer seeds, cheaper
 ``defaults`` merged over the full ones, a subset of the arms, fewer random fleets); an analysis
 whose arms the quick grid leaves out is dropped from it (E2 keeps the arms that remain).
+``caveats`` (by claim-testing analysis: e1, e3, e4, megatron) is the author's reading of what the
+tiny scale may explain where a measured figure and the public claim part; the report prints it
+under every claim whose verdict is not *agrees*.
 
 Every model forbids unknown keys; :func:`load_experiment` raises :class:`ExperimentError` naming
 the file and the dotted key of any problem.
@@ -41,7 +44,8 @@ from hetrl.samplers.profiles import CATALOGUE, REFERENCE_KIND
 
 __all__ = [
     "ExperimentError", "Overrides", "ArmConfig", "AnyMixtureConfig", "MismatchAnalysis", "StabilityAnalysis",
-    "CostAnalysis", "PartialAlignmentAnalysis", "TrainerAnalysis", "Analyses", "QuickConfig", "ExperimentConfig", "load_experiment",
+    "CostAnalysis", "PartialAlignmentAnalysis", "TrainerAnalysis", "Analyses", "QuickConfig", "CLAIM_ANALYSES",
+    "ExperimentConfig", "load_experiment",
 ]
 
 Overrides = dict[str, Any]
@@ -191,6 +195,10 @@ class QuickConfig(_Strict):
     fleets: int | None = Field(None, ge=0)
 
 
+CLAIM_ANALYSES = ("e1", "e3", "e4", "megatron")
+"""The analyses that test a claim of the public result (:mod:`hetrl.experiment.claims`)."""
+
+
 class ExperimentConfig(_Strict):
     """The whole grid (module docstring). ``grad_spike_factor``: a step's gradient norm is a
     spike when it exceeds this multiple of its run's median gradient norm."""
@@ -203,6 +211,9 @@ class ExperimentConfig(_Strict):
     grad_spike_factor: float = Field(3.0, gt=1.0)
     any_mixture: AnyMixtureConfig | None = None
     analyses: Analyses = Analyses()
+    caveats: dict[str, str] = Field(default_factory=dict, description=(
+        "per claim-testing analysis (e1, e3, e4, megatron): what the tiny CPU scale may explain where the "
+        "measured figure and the public claim part; the report prints it under every claim that does not agree"))
     quick: QuickConfig | None = None
 
     @field_validator("seeds")
@@ -231,6 +242,10 @@ class ExperimentConfig(_Strict):
             for i, arm in enumerate(self.quick.arms):
                 if arm not in self.arms:
                     raise ValueError(f"quick.arms[{i}]: unknown arm {arm!r}; arms: {', '.join(known) or 'none'}")
+        for key in self.caveats:
+            if key not in CLAIM_ANALYSES:
+                raise ValueError(f"caveats.{key}: not an analysis that tests a claim; use one of "
+                                 f"{', '.join(CLAIM_ANALYSES)}")
         mixture = self.any_mixture
         if mixture is not None and mixture.seeds_per_fleet > len(self.seeds):
             raise ValueError(f"any_mixture.seeds_per_fleet ({mixture.seeds_per_fleet}) exceeds the {len(self.seeds)} seeds")

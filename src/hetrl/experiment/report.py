@@ -4,7 +4,8 @@ Everything is computed from the runs' own ``runs/<arm>/s<seed>/metrics.jsonl`` i
 directory: per-run values by the rules of :mod:`hetrl.experiment.measures` (listed in the
 report's Appendix A, defined in Appendix B, and written to ``measures.json``), aggregated over
 runs by :mod:`hetrl.experiment.statistics`, and set against the public claims by
-:mod:`hetrl.experiment.claims`. Sections: the claims with their verdicts, E1 mismatch, E2
+:mod:`hetrl.experiment.claims`. Sections: the claims with their verdicts (and, under those that
+do not agree, the config's ``caveats``), E1 mismatch, E2
 stability, E3 cost, E4 partial alignment, the any-mixture sweep, E1 and E2's main arms with the
 Megatron trainer, and the appendices. An analysis
 the grid does not include says so instead of a table.
@@ -17,10 +18,11 @@ import json
 import math
 import pathlib
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from hetrl.experiment import plots
-from hetrl.experiment.claims import VERDICT_RULES, Claim, claim_cost, claim_mismatch, claim_partial_alignment, column
+from hetrl.experiment.claims import (AGREES, VERDICT_RULES, Claim, claim_cost, claim_mismatch, claim_partial_alignment,
+                                     column)
 from hetrl.experiment.measures import BY_NAME, MEASURES, Records, load_records, run_values
 from hetrl.experiment.plan import ExperimentPlan, RunSpec
 from hetrl.experiment.runner import run_directory
@@ -105,14 +107,23 @@ def _intro(grid: _Grid, command: str) -> list[str]:
     ]
 
 
-def _claims(claims: Sequence[Claim]) -> list[str]:
+def _claims(claims: Mapping[str, Claim], caveats: Mapping[str, str]) -> list[str]:
+    """The claims with their findings, then, for every tested claim that does not agree, the
+    config's reading of what the tiny scale may explain (``caveats``, by analysis key)."""
     lines = [SECTIONS[0], ""]
-    for claim in claims:
+    for claim in claims.values():
         lines += [f"### Claim {claim.number} ({claim.experiment}): {claim.text}", "", f"**Verdict: {claim.verdict}.**", ""]
         if claim.findings:
             lines += _table(["finding tested", "measured (95% CI) and source", "verdict"],
                             [[f.statement, f.measured, f.verdict] for f in claim.findings])
-    return lines + ["**Verdict rules.** " + VERDICT_RULES, ""]
+    lines += ["**Verdict rules.** " + VERDICT_RULES, "", "### Where the measurement and the public result part", ""]
+    parting = {key: c for key, c in claims.items() if c.findings and c.verdict != AGREES}
+    if not parting:
+        return lines + ["Every tested claim agrees.", ""]
+    for key, claim in parting.items():
+        reading = caveats.get(key, f"(the experiment config gives no reading of this: `caveats.{key}`)")
+        lines.append(f"- **Claim {claim.number} ({claim.experiment}), {claim.verdict}.** {' '.join(reading.split())}")
+    return lines + [""]
 
 
 def _e1(grid: _Grid, out: pathlib.Path, claim: Claim) -> list[str]:
@@ -276,11 +287,11 @@ def write_report(plan: ExperimentPlan, out: pathlib.Path, *, command: str) -> pa
     analyses, values = plan.config.analyses, grid.by_arm
     megatron = claim_mismatch(analyses.megatron.mismatch() if analyses.megatron else None, values,
                               experiment="E1, Megatron trainer")
-    claims = [claim_mismatch(analyses.e1, values), claim_cost(analyses.e3, values),
-              claim_partial_alignment(analyses.e4, values), megatron]
-    lines = [*_intro(grid, command), *_claims(claims), *_e1(grid, out, claims[0]), *_e2(grid, out),
-             *_e3(grid, out, claims[1]), *_e4(grid, out), *_mixture(grid, out), *_megatron(grid, out, megatron),
-             *_appendices(grid)]
+    claims = {"e1": claim_mismatch(analyses.e1, values), "e3": claim_cost(analyses.e3, values),
+              "e4": claim_partial_alignment(analyses.e4, values), "megatron": megatron}
+    lines = [*_intro(grid, command), *_claims(claims, plan.config.caveats), *_e1(grid, out, claims["e1"]),
+             *_e2(grid, out), *_e3(grid, out, claims["e3"]), *_e4(grid, out), *_mixture(grid, out),
+             *_megatron(grid, out, megatron), *_appendices(grid)]
     (out / MEASURES_FILE).write_text(json.dumps(
         {"definitions": {m.name: m.definition for m in MEASURES}, "grad_spike_factor": plan.config.grad_spike_factor,
          "runs": {k: {"metrics": grid.files[k], "values": {m: (x if math.isfinite(x) else None) for m, x in v.items()}}
