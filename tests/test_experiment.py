@@ -381,27 +381,33 @@ def test_per_run_values_follow_their_definitions():
 # ====================================================================== end to end
 @pytest.mark.slow
 def test_hetrl_experiment_end_to_end_on_a_tiny_grid(tmp_path, monkeypatch, capsys):
-    """2 arms x 1 seed x 2 steps of real `hetrl train` (one replica, 2x2 rollouts, one held-out
-    episode), the report checked complete; a second invocation trains nothing."""
+    """`hetrl experiment --quick` end to end: the grid's quick scale (2 arms x 1 seed x 2 steps of
+    real `hetrl train`, one replica, 2x2 rollouts, one held-out episode) into the default output
+    directory `runs/experiments/<name>-quick`, the report checked complete; a second invocation
+    trains nothing. (The default grid's own quick scale is 16 runs, about 14 min: too long here.)"""
     from hetrl.cli import main
 
     small = {"steps": 2, "environment.options.eval.every": 2, "environment.options.eval.tasks": 1,
              "environment.options.eval.samples": 1, "fleet.pools[0].replicas": 1, "async.batch_groups": 2,
              "async.group_size": 2, "async.max_new_tokens": 16}
-    data = {"name": "smoke", "seeds": [0], "defaults": small,
+    data = {"name": "smoke", "seeds": [0, 1], "defaults": {**small, "steps": 4},
+            "quick": {"seeds": [0], "defaults": small},
             "arms": {"plain": {"base": "tiny_homogeneous.yaml", "overrides": {"correction.preset": "none"}},
                      "corrected": {"base": "tiny_homogeneous.yaml", "overrides": {"correction.preset": "hetrl"}}},
             "analyses": {"e1": {"mixed": "corrected", "homogeneous": "plain"}, "e2": {"arms": ["plain", "corrected"]},
                          "e3": {"corrected": "corrected", "homogeneous": "plain"},
                          "e4": {"uncorrected": "plain", "corrected": "corrected", "mixed_uncorrected": "plain"}}}
-    grid, out = _write(tmp_path, data), tmp_path / "out"
-    monkeypatch.chdir(REPO)  # the base configs' model cache (assets/models) is relative to the repository
-    assert main(["experiment", str(grid), "--out", str(out), "--no-progress"]) == 0, capsys.readouterr()
+    grid = _write(tmp_path, data)
+    (tmp_path / "assets").symlink_to(REPO / "assets")  # the base configs' model cache (assets/models) is relative
+    monkeypatch.chdir(tmp_path)
+    assert main(["experiment", str(grid), "--quick", "--no-progress"]) == 0, capsys.readouterr()
     assert "runs: 2 trained, 0 already complete, 0 failed" in capsys.readouterr().out
-    config, source = load_experiment(grid)
+    out = tmp_path / "runs" / "experiments" / "smoke-quick"
+    config, source = load_experiment(grid, quick=True)
+    assert config.seeds == (0,) and all(r.steps == 2 for r in build_plan(config, source).runs)
     text = check_report(out, build_plan(config, source))
     assert text.count(claims.NO_INTERVAL) >= 3  # one seed: every finding says it has no CI
-    assert main(["experiment", str(grid), "--out", str(out), "--no-progress"]) == 0
+    assert main(["experiment", str(grid), "--quick", "--no-progress"]) == 0
     assert "runs: 0 trained, 2 already complete, 0 failed" in capsys.readouterr().out
 
 
