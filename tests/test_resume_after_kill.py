@@ -40,7 +40,9 @@ def _command(out: pathlib.Path, *extra: str) -> list[str]:
 
 
 def _steps(path: pathlib.Path) -> list[int]:
-    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
+    """Steps of the complete records of ``path``: a run being written (or killed mid-write) may
+    leave a last line without its newline, which is not a record yet."""
+    return [json.loads(line)["step"] for line in path.read_text().split("\n")[:-1] if line.strip()]
 
 
 def _kill_and_resume(out: pathlib.Path, *extra: str):
