@@ -43,7 +43,6 @@ import json
 import math
 import os
 import pathlib
-import socket
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
