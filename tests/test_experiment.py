@@ -9,6 +9,7 @@ import math
 import os
 import pathlib
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -22,7 +23,7 @@ from hetrl.experiment.fleets import draw_fleets
 from hetrl.experiment.measures import run_values
 from hetrl.experiment.plan import ExperimentPlan, RunSpec, build_plan
 from hetrl.experiment.report import MEASURES_FILE, REPORT_FILE, SECTIONS, write_report
-from hetrl.experiment.runner import COMPLETE_MARKER, default_jobs, run_directory, run_grid
+from hetrl.experiment.runner import COMPLETE_MARKER, SPEC_FILE, default_jobs, run_directory, run_grid
 from hetrl.experiment.statistics import Estimate, bootstrap_ratio, ols_slope, t_interval, welch_interval
 from hetrl.samplers.profiles import CATALOGUE, REFERENCE_KIND
 
@@ -273,6 +274,26 @@ def test_a_completed_run_is_not_run_again(tmp_path):
                              tuple(RunSpec(r.arm, r.seed, r.base, r.overrides, r.steps + 1) for r in plan.runs), ())
     with pytest.raises(ExperimentError, match="a run of other settings"):
         run_grid(changed, out, launcher=FakeLauncher(), progress=False)
+
+
+def test_a_finished_grid_copied_to_another_checkout_is_complete_there(tmp_path):
+    """The runs record their base config relative to the experiment config: a committed grid
+    directory, in a clone at another path, is recognised as complete (nothing is trained again)."""
+    first, second = tmp_path / "clone-a" / "configs", tmp_path / "elsewhere" / "clone-b" / "configs"
+    first.mkdir(parents=True)
+    for name in ("tiny_homogeneous.yaml", "tiny_mixed.yaml"):
+        (first / name).write_text((REPO / "configs" / name).read_text(encoding="utf-8"), encoding="utf-8")
+    _write(first, _grid(defaults={"steps": 8}))
+    plan = build_plan(*load_experiment(first / "grid.yaml"))
+    assert all(r.base.parent == first.resolve() for r in plan.runs)  # the copies, not the repository's
+    run_grid(plan, first.parent / "out", launcher=FakeLauncher(), progress=False)
+    shutil.copytree(first.parent, second.parent)
+    moved = build_plan(*load_experiment(second / "grid.yaml"))
+    again = FakeLauncher()
+    outcome = run_grid(moved, second.parent / "out", launcher=again, progress=False)
+    assert again.launched == [] and len(outcome.skipped) == len(moved.runs)
+    recorded = json.loads((run_directory(second.parent / "out", moved.runs[0]) / SPEC_FILE).read_text())
+    assert recorded["base"] == moved.runs[0].base.name
 
 
 def check_report(out: pathlib.Path, plan: ExperimentPlan) -> str:

@@ -14,7 +14,10 @@ run's spec: base config, overrides, steps) beside them. The command is::
 its trainer ``version`` equals the run's steps. A complete run is never launched again. A
 directory without that marker is an interrupted run: it is removed and the run starts over. A
 directory whose ``experiment_run.json`` is missing or records other settings is refused
-(:class:`ExperimentError`), so a changed grid never silently mixes old and new runs.
+(:class:`ExperimentError`), so a changed grid never silently mixes old and new runs. The base
+config is recorded relative to the experiment config's directory, so a grid directory stays
+valid in another checkout: the same command with ``--out`` pointing at a committed grid (all
+runs complete) trains nothing and only rewrites the report from the raw metrics there.
 
 Every run's JAX compilations go to one persistent cache (``JAX_COMPILATION_CACHE_DIR``, default
 ``<out>/jax-cache``): runs of the same shapes and numerics compile once.
@@ -98,9 +101,11 @@ def train_command(spec: RunSpec, directory: pathlib.Path) -> list[str]:
     return argv
 
 
-def _record(spec: RunSpec) -> dict:
-    return {"arm": spec.arm, "seed": spec.seed, "base": str(spec.base), "overrides": list(spec.overrides),
-            "steps": spec.steps}
+def _record(spec: RunSpec, configs: pathlib.Path) -> dict:
+    """What ``experiment_run.json`` holds for ``spec``; the base config's path relative to
+    ``configs`` (the experiment config's directory), not to where this checkout lives."""
+    return {"arm": spec.arm, "seed": spec.seed, "base": os.path.relpath(spec.base, configs),
+            "overrides": list(spec.overrides), "steps": spec.steps}
 
 
 def is_complete(spec: RunSpec, directory: pathlib.Path) -> bool:
@@ -114,7 +119,7 @@ def is_complete(spec: RunSpec, directory: pathlib.Path) -> bool:
         return False
 
 
-def _check_directory(spec: RunSpec, directory: pathlib.Path) -> bool:
+def _check_directory(spec: RunSpec, directory: pathlib.Path, configs: pathlib.Path) -> bool:
     """Whether ``spec`` must run: False if complete; raises if ``directory`` holds anything else
     than a run of ``spec``."""
     if not directory.exists():
@@ -123,17 +128,17 @@ def _check_directory(spec: RunSpec, directory: pathlib.Path) -> bool:
         recorded = json.loads((directory / SPEC_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         recorded = None
-    if recorded != _record(spec):
+    if recorded != _record(spec, configs):
         raise ExperimentError(f"{directory} holds {'a run of other settings' if recorded else 'something else'} than "
                               f"run {spec.key} of this grid; delete it or choose another --out")
     return not is_complete(spec, directory)
 
 
-def _start(spec: RunSpec, directory: pathlib.Path) -> None:
+def _start(spec: RunSpec, directory: pathlib.Path, configs: pathlib.Path) -> None:
     if directory.exists():  # an interrupted run: start it over
         shutil.rmtree(directory)
     directory.mkdir(parents=True)
-    (directory / SPEC_FILE).write_text(json.dumps(_record(spec), indent=2), encoding="utf-8")
+    (directory / SPEC_FILE).write_text(json.dumps(_record(spec, configs), indent=2), encoding="utf-8")
 
 
 def run_grid(plan: ExperimentPlan, out: pathlib.Path, *, jobs: int = 1, launcher: Launcher | None = None,
@@ -147,9 +152,10 @@ def run_grid(plan: ExperimentPlan, out: pathlib.Path, *, jobs: int = 1, launcher
         launcher = SubprocessLauncher({**os.environ, "JAX_COMPILATION_CACHE_DIR":
                                        os.environ.get("JAX_COMPILATION_CACHE_DIR", str(out.resolve() / "jax-cache"))})
     outcome = GridOutcome()
+    configs = plan.source.resolve().parent
     todo = []
     for spec in plan.runs:
-        (todo if _check_directory(spec, run_directory(out, spec)) else outcome.skipped).append(spec)
+        (todo if _check_directory(spec, run_directory(out, spec), configs) else outcome.skipped).append(spec)
     lock = threading.Lock()
     running: list[str] = []
     columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -163,7 +169,7 @@ def run_grid(plan: ExperimentPlan, out: pathlib.Path, *, jobs: int = 1, launcher
             with lock:
                 running.append(spec.key)
                 bar.update(task, running="running " + ", ".join(running))
-            _start(spec, directory)
+            _start(spec, directory, configs)
             status = launcher(spec, train_command(spec, directory), directory)
             with lock:
                 running.remove(spec.key)
