@@ -432,6 +432,31 @@ def test_hetrl_experiment_end_to_end_on_a_tiny_grid(tmp_path, monkeypatch, capsy
     assert "runs: 0 trained, 2 already complete, 0 failed" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("committed, quick", [("default", False), ("default-quick", True)])
+def test_the_committed_report_is_re_derived_from_its_raw_metrics(tmp_path, monkeypatch, capsys, committed, quick):
+    """`hetrl experiment configs/experiment_default.yaml [--quick] --out <a copy of docs/results/...>`
+    trains nothing and writes the committed REPORT.md and measures.json again from the per-run
+    metrics beside them: every quoted figure comes from those files with this code (only the
+    report's command line and date differ)."""
+    from hetrl.cli import main
+
+    source = REPO / "docs" / "results" / committed
+    out = tmp_path / committed
+    shutil.copytree(source, out)
+    monkeypatch.chdir(REPO)  # the report names the grid config as the command line gave it
+    argv = ["experiment", "configs/experiment_default.yaml", *(["--quick"] if quick else []),
+            "--out", str(out), "--jobs", "1", "--no-progress"]
+    assert main(argv) == 0, capsys.readouterr()
+    runs = len(build_plan(*load_experiment(REPO / "configs" / "experiment_default.yaml", quick=quick)).runs)
+    assert f"runs: 0 trained, {runs} already complete, 0 failed" in capsys.readouterr().out
+
+    def content(path: pathlib.Path) -> list[str]:
+        return [line for line in path.read_text(encoding="utf-8").splitlines() if not line.startswith("- Command: ")]
+
+    assert content(out / REPORT_FILE) == content(source / REPORT_FILE)
+    assert json.loads((out / MEASURES_FILE).read_text()) == json.loads((source / MEASURES_FILE).read_text())
+
+
 @pytest.mark.parametrize("cores, available_gib, expected", [(2, 24, 2), (8, 7, 2), (4, 1, 1), (1, 64, 1)])
 def test_default_jobs_is_one_per_core_unless_memory_holds_fewer_runs(monkeypatch, cores, available_gib, expected):
     page = 4096
