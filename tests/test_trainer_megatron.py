@@ -552,6 +552,28 @@ def test_no_use_of_shim_internals_outside_it():
     assert any(u.startswith("model.py") for u in users)  # the one entry into megatron applies it
 
 
+def test_a_single_process_group_does_not_take_the_fixed_default_port():
+    """Two single-rank Megatron runs side by side (an experiment grid's ``--jobs 2``) once both
+    bound torch's default MASTER_PORT 29500 and the second died with EADDRINUSE. With 29500
+    held here (or by anything else), a single process without WORLD_SIZE/MASTER_PORT must still
+    start its process group."""
+    holder = socket.socket()
+    try:
+        holder.bind(("127.0.0.1", 29500))
+        holder.listen()
+    except OSError:  # already taken by someone else: the condition under test holds anyway
+        pass
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    code = ("import torch; from hetrl.trainer_megatron.model import ParallelConfig, initialize_parallel; "
+            "initialize_parallel(ParallelConfig()); print('world', torch.distributed.get_world_size())")
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                              timeout=WORKER_TIMEOUT_S)
+    finally:
+        holder.close()
+    assert proc.returncode == 0 and "world 1" in proc.stdout, proc.stderr[-3000:]
+
+
 # ====================================================================== workers (run in subprocesses)
 def _load_batches(paths: list[str]) -> dict[str, list[RolloutBatch]]:
     return {"qwen3": [RolloutBatch.from_bytes(pathlib.Path(p).read_bytes()) for p in paths[:2]],
@@ -685,25 +707,3 @@ def _worker_main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     _worker_main(sys.argv[1:])
-
-
-def test_a_single_process_group_does_not_take_the_fixed_default_port():
-    """Two single-rank Megatron runs side by side (an experiment grid's ``--jobs 2``) once both
-    bound torch's default MASTER_PORT 29500 and the second died with EADDRINUSE. With 29500
-    held here (or by anything else), a single process without WORLD_SIZE/MASTER_PORT must still
-    start its process group."""
-    holder = socket.socket()
-    try:
-        holder.bind(("127.0.0.1", 29500))
-        holder.listen()
-    except OSError:  # already taken by someone else: the condition under test holds anyway
-        pass
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    code = ("import torch; from hetrl.trainer_megatron.model import ParallelConfig, initialize_parallel; "
-            "initialize_parallel(ParallelConfig()); print('world', torch.distributed.get_world_size())")
-    try:
-        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                              timeout=WORKER_TIMEOUT_S)
-    finally:
-        holder.close()
-    assert proc.returncode == 0 and "world 1" in proc.stdout, proc.stderr[-3000:]
