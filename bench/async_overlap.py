@@ -43,6 +43,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from hetrl.config import load_config
+from hetrl.models.resolve import resolve_model
 from hetrl.orchestrator.local import LocalOrchestrator
 
 ARMS = {"async": [], "sync": ["async.max_staleness=0"]}
@@ -52,7 +53,7 @@ def run_arm(config: str, arm: str, steps: int, rep: int, work: pathlib.Path, mod
     """One run of ``arm``; its figures from the run's history and summary."""
     out = work / f"{arm}-{rep}"
     cfg = load_config(config, [
-        f"output_dir={out}", "logging.jsonl_path=null", "checkpointing.directory=null", "checkpointing.every=0",
+        f"output_dir={out}", "checkpointing.every=0",
         f"steps={steps}", f"model={{path: {model_dir}}}",
         "environment.options={eval: {every: 0}}", *ARMS[arm],
     ])
@@ -119,7 +120,7 @@ def main() -> None:
     jax.config.update("jax_compilation_cache_dir", str((args.work / "jax-cache").resolve()))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     base = load_config(args.config)
-    model_dir = base.model.materialize(args.work / "model").resolve()  # built once, shared by every run
+    model_dir = resolve_model(base.model, args.work / "model").resolve()  # built once, shared by every run
 
     runs: list[dict] = []
     with Progress(console=console) as progress:

@@ -55,8 +55,7 @@ def main() -> None:
     chaos = {"seed": args.seed, "kill_rate": args.kill_rate, "slow_rate": args.slow_rate, "slow_s": args.slow_s,
              "poison_rate": args.poison_rate}
     cfg = load_config("tiny_mixed.yaml", [
-        f"seed={args.seed}", "steps=1000000", f"output_dir={run_dir}", f"logging.jsonl_path={run_dir}/metrics.jsonl",
-        f"checkpointing.directory={run_dir}/checkpoints", "checkpointing.every=25",
+        f"seed={args.seed}", "steps=1000000", f"output_dir={run_dir}", "checkpointing.every=25",
         f"fleet.chaos={json.dumps(chaos)}", "fleet.restart={max_per_replica: 1000, delay_s: 2.0}",
         "environment.options.eval.every=0", f"logging.console={str(not args.no_console).lower()}",
     ])

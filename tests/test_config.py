@@ -52,8 +52,8 @@ def test_tiny_mixed_is_six_kinds_three_precisions():
 
 def test_tiny_configs_start_from_the_shipped_warm_start():
     """Both tiny configs name one warm start, and the checkpoint shipped for it was trained with
-    exactly those settings (its ``warmstart.json`` key), so `make train` (run from the repository
-    root, where the configs' relative ``cache_dir`` points) does not retrain it."""
+    exactly those settings (its ``warmstart.json`` key), so `make train` does not retrain it (the
+    configs' relative ``cache_dir`` resolves against configs/, from any working directory)."""
     import json
 
     from hetrl.models.config import ModelConfig
@@ -147,10 +147,10 @@ def test_overrides_are_typed_and_reach_lists():
     c = load_config("tiny_mixed.yaml", ["fleet.pools[0].replicas=3", "async.max_staleness=0", "steps=5",
                                          "correction.token_bounds=[0.25, 4.0]", "correction.preset=mis",
                                          "fleet.pools[6]={name: extra, accelerator: h200}",
-                                         "async.sampling.top_p=0.8", "logging.jsonl_path=null"])
+                                         "async.sampling.top_p=0.8", "model.cache_dir=null"])
     assert c.fleet.pools[0].replicas == 3 and c.async_.max_staleness == 0 and c.steps == 5
     assert c.correction.resolve().token_bounds == (0.25, 4.0) and c.correction.preset == "mis"
-    assert c.fleet.pools[6].name == "extra" and c.async_.sampling.top_p == 0.8 and c.logging.jsonl_path is None
+    assert c.fleet.pools[6].name == "extra" and c.async_.sampling.top_p == 0.8 and c.model.cache_dir is None
 
 
 def test_switching_the_trainer_kind():
@@ -291,12 +291,14 @@ def test_defaults_are_complete():
     assert c.trainer.kind == "jax" and c.correction.resolve() == PRESETS["hetrl"] and c.async_.group_size == 4
 
 
-def test_tiny_model_is_materialized_once(tmp_path):
-    c = load_config("tiny_mixed.yaml")
-    path = c.model.materialize(tmp_path)
+def test_tiny_model_is_built_once(tmp_path):
+    from hetrl.models.resolve import resolve_model
+
+    c = load_config("tiny_mixed.yaml", ["model={tiny: qwen3}"])
+    path = resolve_model(c.model, tmp_path)
     assert (path / "config.json").exists() and (path / "model.safetensors").exists()
     mtime = (path / "model.safetensors").stat().st_mtime_ns
-    assert c.model.materialize(tmp_path) == path and (path / "model.safetensors").stat().st_mtime_ns == mtime
+    assert resolve_model(c.model, tmp_path) == path and (path / "model.safetensors").stat().st_mtime_ns == mtime
 
 
 # ---------------------------------------------------------------------- the CLI

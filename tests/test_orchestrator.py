@@ -37,7 +37,7 @@ QUARANTINE_MIN = 4
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
     cfg = load_config("tiny_mixed.yaml", [
-        f"output_dir={out}", "logging.jsonl_path=null", "checkpointing.directory=null", "checkpointing.every=2",
+        f"output_dir={out}", "checkpointing.every=2",
         "steps=3", "async.batch_groups=2", "async.group_size=2", "async.max_new_tokens=16",
         f"async.max_staleness={MAX_STALENESS}",
         "fleet.pools=[{name: fast, accelerator: h100, weight_precision: fp8_e4m3, replicas: 2},"
@@ -112,7 +112,7 @@ def test_a_dead_replica_is_restarted_and_serves_again(tmp_path):
     """The second replica dies on its first call; the restart policy builds it again after the
     delay, and the new one serves jobs (its first-token weight versions are recorded)."""
     cfg = load_config("tiny_homogeneous.yaml", [
-        f"output_dir={tmp_path}", "logging.jsonl_path=null", "checkpointing.directory=null", "logging.console=false",
+        f"output_dir={tmp_path}", "logging.console=false",
         "steps=3", "async.batch_groups=2", "async.group_size=2", "async.max_new_tokens=16", "async.max_staleness=0",
         "fleet.pools=[{name: fast, accelerator: h100, weight_precision: fp8_e4m3, replicas: 2}]",
         "fleet.restart={max_per_replica: 2, delay_s: 0.2}", "environment.options={eval: {every: 0}}",
@@ -137,7 +137,7 @@ def test_chaos_drill_loses_nothing_and_a_stop_request_ends_at_a_checkpoint(tmp_p
     run stopped by request_stop() (what SIGTERM does) after its second step: every submitted
     group is accounted for, none trained twice, and the run ends checkpointed where it stopped."""
     cfg = load_config("tiny_homogeneous.yaml", [
-        f"output_dir={tmp_path}", "logging.jsonl_path=null", "checkpointing.directory=null", "logging.console=false",
+        f"output_dir={tmp_path}", "logging.console=false",
         "steps=100", "async.batch_groups=2", "async.group_size=2", "async.max_new_tokens=16",
         "fleet.pools=[{name: fast, accelerator: h100, weight_precision: fp8_e4m3, replicas: 2}]",
         "fleet.restart={max_per_replica: 50, delay_s: 0.1}",

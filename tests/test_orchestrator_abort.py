@@ -38,7 +38,7 @@ class Recording(Slow):
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("abort-run")
     cfg = load_config("tiny_mixed.yaml", [
-        f"output_dir={out}", "logging.jsonl_path=null", "checkpointing.directory=null",
+        f"output_dir={out}",
         "steps=3", "async.batch_groups=2", "async.group_size=2", "async.max_new_tokens=16",
         f"async.max_staleness={MAX_STALENESS}", "async.weight_update=abort",
         "fleet.pools=[{name: fast, accelerator: h100, weight_precision: fp8_e4m3},"

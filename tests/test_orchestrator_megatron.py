@@ -25,8 +25,7 @@ K3_BOUND = 1e-3  # measured ~1e-5 (fp32 trainer vs BF16 samplers of the same wei
 
 def _train(out: pathlib.Path, steps: int, *extra: str) -> subprocess.CompletedProcess:
     args = [sys.executable, "-m", "hetrl.cli", "train", "tiny_homogeneous.yaml", "--trainer", "megatron",
-            "--set", f"steps={steps}", "--set", f"output_dir={out}", "--set", f"logging.jsonl_path={out}/metrics.jsonl",
-            "--set", f"checkpointing.directory={out}/checkpoints", "--set", "checkpointing.every=1",
+            "--set", f"steps={steps}", "--set", f"output_dir={out}", "--set", "checkpointing.every=1",
             "--set", "checkpointing.keep=1", "--set", "logging.console=false",
             "--set", "environment.options.eval.every=0", "--set", "async.batch_groups=3", "--set", "async.group_size=4",
             "--set", "async.max_new_tokens=24",

@@ -46,7 +46,7 @@ def _kill_mid_generation(orch: RayOrchestrator, done: threading.Event, killed: d
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("ray-run")
     cfg = load_config("tiny_mixed.yaml", [
-        f"output_dir={out}", "logging.jsonl_path=null", "checkpointing.directory=null", "checkpointing.every=2",
+        f"output_dir={out}", "checkpointing.every=2",
         "steps=3", "async.batch_groups=2", "async.group_size=2", "async.max_new_tokens=16",
         f"async.max_staleness={MAX_STALENESS}", "backend=ray",
         "fleet.pools=[{name: fast, accelerator: h100, weight_precision: fp8_e4m3, replicas: 2},"

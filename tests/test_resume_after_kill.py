@@ -31,8 +31,7 @@ RUN_TIMEOUT_S = 600
 
 def _command(out: pathlib.Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "hetrl.cli", "train", "tiny_homogeneous.yaml",
-            "--set", f"steps={STEPS}", "--set", f"output_dir={out}", "--set", f"logging.jsonl_path={out}/metrics.jsonl",
-            "--set", f"checkpointing.directory={out}/checkpoints", "--set", "checkpointing.every=1",
+            "--set", f"steps={STEPS}", "--set", f"output_dir={out}", "--set", "checkpointing.every=1",
             "--set", "checkpointing.keep=10", "--set", "logging.console=false",
             "--set", "environment.options.eval.every=0", "--set", "async.batch_groups=2", "--set", "async.group_size=2",
             "--set", "async.max_new_tokens=24", "--set", "async.max_staleness=1",

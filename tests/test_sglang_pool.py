@@ -315,8 +315,7 @@ def test_hetrl_train_runs_a_mixed_fleet_and_survives_the_server_dying(model_dir,
     server is killed after step 3 and training continues on the embedded pools to step 6."""
     srv = SGLangServer(model_dir, log_path=tmp_path / "server.log").start()
     out = tmp_path / "run"
-    sets = [f"output_dir={out}", f"logging.jsonl_path={out}/metrics.jsonl", f"checkpointing.directory={out}/ckpt",
-            "steps=6", "logging.console=false", "environment.options.eval.every=0",
+    sets = [f"output_dir={out}", "steps=6", "logging.console=false", "environment.options.eval.every=0",
             f'fleet.pools[3].endpoints=["{srv.url}"]', "fleet.pools[3].server.retries=1",
             "fleet.pools[3].server.backoff_s=0.05"]
     cmd = [sys.executable, "-m", "hetrl.cli", "train", str(ROOT / "configs" / "tiny_mixed_sglang.yaml")]

@@ -111,6 +111,7 @@ def test_warmstart_writes_a_loadable_hf_checkpoint_and_learns(warm):
 
 def test_run_config_builds_the_warm_start_once(warm, tmp_path):
     from hetrl.config import ModelSection
+    from hetrl.models.resolve import resolve_model
     from hetrl.warmstart.command import default_directory
 
     section = ModelSection.model_validate({"warmstart": SMALL, "cache_dir": str(tmp_path)})
@@ -120,7 +121,7 @@ def test_run_config_builds_the_warm_start_once(warm, tmp_path):
 
     shutil.copytree(warm, target)  # a finished warm start with these settings is reused, not retrained
     mtime = (target / "model.safetensors").stat().st_mtime_ns
-    assert section.materialize("unused", console=False) == target
+    assert resolve_model(section, "unused", console=False) == target
     assert (target / "model.safetensors").stat().st_mtime_ns == mtime
     with pytest.raises(ValueError, match="exactly one"):
         ModelSection.model_validate({"warmstart": SMALL, "tiny": "qwen3"})

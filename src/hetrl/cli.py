@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--backend", choices=("local", "ray"), default=None,
                        help="shorthand for --set backend=...: threads in one process, or Ray actors")
     train.add_argument("--resume", action="store_true",
-                       help="continue from the newest checkpoint in checkpointing.directory (--set checkpointing.resume=true)")
+                       help="continue the run in output_dir from its newest checkpoint (--set checkpointing.resume=true); "
+                            "without it, a run refuses an output_dir that already holds one")
     train.add_argument("--dry-run", action="store_true", help="print the resolved config as YAML and exit")
     for name, (module, help_text) in COMMANDS.items():
         importlib.import_module(module).add_arguments(sub.add_parser(name, help=help_text))

@@ -22,6 +22,15 @@ problem raises :class:`ConfigError` whose message names the dotted key, e.g.
 ``fleet.pools[3].weight_precision: Value error, accelerator 'a100' does not run weight format
 'fp8_e4m3' natively``. :meth:`RunConfig.to_yaml` prints the resolved config (defaults filled,
 correction thresholds resolved); loading that output gives the same config.
+
+**Paths.** Every output of a run lives under ``output_dir`` (the run folder, laid out by
+:class:`hetrl.orchestrator.run_folder.RunFolder`); no other section names an output path.
+A relative path written in a config file (``output_dir``, ``model.path``, ``model.cache_dir``,
+``ray.temp_dir``) is relative to the directory of that file, never to the working directory, so
+a config means the same run wherever it is started from (the shipped configs in ``configs/``
+write ``../runs/...`` and ``../assets/models``, the repository's own folders); a relative path
+given as a command-line override (``--set output_dir=X``) is relative to the working directory,
+as any path typed in a shell. Absolute paths and URLs (``gs://...``) are kept as they are.
 """
 
 from __future__ import annotations
@@ -52,7 +61,7 @@ __all__ = [
     "TrainerSection", "CorrectionSection", "AsyncSection", "EnvironmentSection", "LoggingSection",
     "CheckpointingSection", "RaySection", "RunConfig", "CONFIG_DIR", "load_config", "validate_config", "apply_override",
     "load_yaml", "format_path", "translate_trainer_section",
-    "resolve_config_path",
+    "resolve_config_path", "resolve_file_paths", "PATH_KEYS",
 ]
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
@@ -76,8 +85,9 @@ class ModelSection(_Strict):
       (:class:`~hetrl.warmstart.config.WarmstartConfig`), trained once if not there yet;
     * ``path``: an HF checkpoint directory.
 
-    Built models are cached under ``cache_dir`` (None: the directory the caller passes, the run's
-    own), named by their settings, so runs with the same settings share one."""
+    Built models are cached under ``cache_dir`` (None: ``model/`` in the run folder), named by
+    their settings, so runs with the same settings share one. Building them is not this
+    section's job: :func:`hetrl.models.resolve.resolve_model` does it when a run starts."""
 
     tiny: Literal["qwen3", "qwen2"] | None = None
     seed: int = Field(0, ge=0)
@@ -91,27 +101,6 @@ class ModelSection(_Strict):
             raise ValueError("set exactly one of 'tiny' (a tiny model built on the fly), 'warmstart' (a tiny model "
                              "warm-started by `hetrl warmstart`) or 'path' (an HF checkpoint)")
         return self
-
-    def materialize(self, cache_dir: str | pathlib.Path, *, console: bool = True) -> pathlib.Path:
-        """The checkpoint directory: ``path``, or the tiny / warm-started checkpoint built (once)
-        under ``self.cache_dir`` or else ``cache_dir``."""
-        if self.path is not None:
-            return pathlib.Path(self.path)
-        root = pathlib.Path(self.cache_dir if self.cache_dir is not None else cache_dir)
-        if self.warmstart is not None:
-            from hetrl.warmstart.command import default_directory
-            from hetrl.warmstart.train import RESULT_FILE, run_warmstart
-
-            target = default_directory(self.warmstart.key(), root)
-            if not (target / RESULT_FILE).exists():
-                run_warmstart(self.warmstart, target, console=console)
-            return target
-        from hetrl.models.tiny import TINY_QWEN2, TINY_QWEN3, build_tiny_checkpoint
-
-        target = root / f"tiny-{self.tiny}-seed{self.seed}"
-        if not (target / "config.json").exists():
-            build_tiny_checkpoint(target, TINY_QWEN3 if self.tiny == "qwen3" else TINY_QWEN2, seed=self.seed)
-        return target
 
 
 class JaxTrainerSection(_Strict):
@@ -227,13 +216,11 @@ class EnvironmentSection(_Strict):
 
 
 class LoggingSection(_Strict):
-    """Metrics every ``every`` steps to the console and/or a JSON-lines file ``jsonl_path``,
-    and as TensorBoard event files in ``tensorboard_dir`` (None: ``<output_dir>/tensorboard``)."""
+    """Metrics every ``every`` steps to the console and to the run folder (``metrics.jsonl``
+    and TensorBoard event files under ``tensorboard/``)."""
 
     every: int = Field(1, ge=1)
     console: bool = True
-    jsonl_path: str | None = None
-    tensorboard_dir: str | None = None
     level: Literal["debug", "info", "warning", "error"] = "info"
 
 
@@ -247,10 +234,16 @@ class RaySection(_Strict):
     temp_dir: str | None = None
 
 
-class CheckpointingSection(CheckpointConfig):
-    """Trainer checkpoints (see :class:`CheckpointConfig`); ``resume`` restarts from the newest
-    one in ``directory`` (with the rollout buffer's snapshot)."""
+class CheckpointingSection(_Strict):
+    """Trainer checkpoints in the run folder's ``checkpoints/``: one every ``every`` steps (0:
+    only at the end), the newest ``keep`` retained (None: all), written in the background
+    (``async_save``; Orbax only). ``resume``: continue the run in ``output_dir`` from its
+    newest checkpoint (with the rollout buffer's snapshot); without it a run refuses a folder
+    that already holds one (:mod:`hetrl.orchestrator.run_folder`)."""
 
+    every: int = Field(0, ge=0)
+    keep: int | None = Field(3, gt=0)
+    async_save: bool = True
     resume: bool = False
 
 
@@ -299,7 +292,8 @@ class RunConfig(_Strict):
 
     def _checkpoint(self) -> CheckpointConfig:
         c = self.checkpointing
-        return CheckpointConfig(directory=c.directory, every=c.every, keep=c.keep, async_save=c.async_save)
+        return CheckpointConfig(directory=f"{self.output_dir.rstrip('/')}/checkpoints", every=c.every,
+                                keep=c.keep, async_save=c.async_save)
 
     def trainer_config(self, world_size: int = 1) -> JaxTrainerConfig | MegatronTrainerConfig:
         """The full config of the trainer ``trainer.kind`` names (``world_size``: the Megatron
@@ -531,10 +525,28 @@ def resolve_config_path(name: str | pathlib.Path) -> pathlib.Path:
     raise ConfigError(f"config file {str(name)!r} not found (nor in {CONFIG_DIR})")
 
 
+PATH_KEYS = (("output_dir",), ("model", "path"), ("model", "cache_dir"), ("ray", "temp_dir"))
+"""The settings that are file-system paths (resolved against the config file's directory)."""
+
+
+def resolve_file_paths(data: dict[str, Any], base: pathlib.Path) -> None:
+    """Make the relative paths of :data:`PATH_KEYS` in the raw config ``data`` (read from a file
+    in ``base``) absolute, in place; absolute paths, URLs (``scheme://``) and non-strings stay."""
+    for keys in PATH_KEYS:
+        node: Any = data
+        for key in keys[:-1]:
+            node = node.get(key) if isinstance(node, dict) else None
+        value = node.get(keys[-1]) if isinstance(node, dict) else None
+        if isinstance(value, str) and value and "://" not in value and not pathlib.Path(value).expanduser().is_absolute():
+            node[keys[-1]] = str((base / value).resolve())
+
+
 def load_config(path: str | pathlib.Path, overrides: Sequence[str] = ()) -> RunConfig:
-    """Read the YAML config at ``path`` (see :func:`resolve_config_path`), apply ``overrides``
-    in order, validate. An unreadable file, malformed YAML or a key repeated in one map raises
-    :class:`ConfigError` naming the file (and the line, for YAML errors)."""
+    """Read the YAML config at ``path`` (see :func:`resolve_config_path`), make its relative
+    paths relative to the file's directory (:func:`resolve_file_paths`), apply ``overrides`` in
+    order (their paths stay relative to the working directory), validate. An unreadable file,
+    malformed YAML or a key repeated in one map raises :class:`ConfigError` naming the file
+    (and the line, for YAML errors)."""
     file = resolve_config_path(path)
     try:
         text = file.read_text(encoding="utf-8")
@@ -546,6 +558,7 @@ def load_config(path: str | pathlib.Path, overrides: Sequence[str] = ()) -> RunC
         raise ConfigError(f"{file}: not valid YAML: {err}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{file}: the config must be a map, got {type(data).__name__}")
+    resolve_file_paths(data, file.resolve().parent)
     for o in overrides:
         apply_override(data, o)
     return validate_config(data, str(file))

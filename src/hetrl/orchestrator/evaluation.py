@@ -25,9 +25,11 @@ __all__ = ["evaluate_tasks"]
 
 
 def evaluate_tasks(runner: EpisodeRunner, sampler: Sampler, tasks: Sequence[Task], sampling: SamplingParams,
-                   *, prefix: str = "eval", batch: int = 16) -> dict[str, float]:
+                   *, prefix: str = "eval", batch: int = 16, episodes: list[dict] | None = None) -> dict[str, float]:
     """``{"success", "reward", "tasks", "success/tier<k>"...}`` of ``tasks`` (see the module
-    docstring); first turns are generated ``batch`` tasks per call."""
+    docstring); first turns are generated ``batch`` tasks per call. ``episodes``, if given, gets
+    one record per episode: ``task_id``, ``prompt`` and ``completion`` (decoded text; the
+    completion holds every turn, environment feedback included), ``reward``, ``success``."""
     solved: list[bool] = []
     rewards: list[float] = []
     tiers: list[int | None] = []
@@ -40,6 +42,10 @@ def evaluate_tasks(runner: EpisodeRunner, sampler: Sampler, tasks: Sequence[Task
             solved.append(bool(out.solved and out.solved[0]))
             rewards.append(float(out.rollouts[0].reward) if out.rollouts else 0.0)
             tiers.append(getattr(task, "tier", None))
+            if episodes is not None:
+                response = out.rollouts[0].response_ids.tolist() if out.rollouts else first.token_ids.tolist()
+                episodes.append({"task_id": task.task_id, "prompt": runner.decode(prompt.tolist()),
+                                 "completion": runner.decode(response), "reward": rewards[-1], "success": solved[-1]})
     n = max(len(tasks), 1)
     scores = {"success": sum(solved) / n, "reward": sum(rewards) / n, "tasks": float(len(tasks))}
     for tier in sorted({t for t in tiers if t is not None}):

@@ -47,20 +47,24 @@ once and put at most once: a job of a replica that dies is re-queued by the flee
 elsewhere; a group whose *later* turns fail, or that is retracted, is re-submitted under a new
 group id.
 
-**Outputs** under ``output_dir``: ``metrics.jsonl`` (or ``logging.jsonl_path``) and TensorBoard
-event files in ``logging.tensorboard_dir`` (default ``tensorboard/``), trainer checkpoints every
-``checkpointing.every`` steps and at the end, each with the buffer's snapshot
-``buffer-<step>.json`` and the loop's state ``loop-<step>.json`` beside it; ``plots/*.png``;
+**Outputs**: all in the run folder ``output_dir`` (:mod:`hetrl.orchestrator.run_folder`: its
+layout, and the refusal of a new run in a folder that holds one): ``config.yaml``,
+``metrics.jsonl`` and TensorBoard event files in ``tensorboard/``, trainer checkpoints in
+``checkpoints/`` every ``checkpointing.every`` steps and at the end, each with the buffer's
+snapshot ``buffer-<step>.json`` and the loop's state ``loop-<step>.json`` beside it and the
+policy exported as an HF checkpoint ``hf/step-<step>/`` (``hf/latest`` the newest), the held-out
+episodes of each evaluation in ``generations/eval-<step>.jsonl``; ``plots/*.png``;
 ``summary.json``.
 
-**Resume** (``checkpointing.resume``, ``hetrl train --resume``): the newest checkpoint is
+**Resume** (``checkpointing.resume``, ``hetrl train --resume``; refused with nothing to resume
+or with changed settings the checkpoint fixes: :meth:`RunFolder.check_start`): the newest checkpoint is
 restored (model, optimizer, step) with the buffer as it was (its pending groups are trained, the
 ids it has seen stay refused) and the loop's state: the data order continues where it stopped,
 group ids continue after the last one used (no id is reused), the prompts of groups in flight at
 the checkpoint are submitted first, and the counters (rollout counts, the fleet's requests,
 tokens, busy time and cost) continue. Metric records the interrupted run wrote after the
 checkpoint are dropped from the JSONL (those steps are trained again; a new TensorBoard event
-file starts at the checkpoint's step). Under the default ``async`` schedule the samplers' random
+file starts at the checkpoint's step); the summary covers the whole run. Under the default ``async`` schedule the samplers' random
 streams and the timing are not replayed, so a resumed run continues the same training, not the
 same samples. Under ``async.schedule: lockstep`` (:meth:`AsyncOrchestrator._lockstep_round`)
 nothing depends on timing, and a run resumed from any checkpoint reproduces the uninterrupted
@@ -102,9 +106,11 @@ from hetrl.envs.coding import CodingEnv, CodingEnvConfig
 from hetrl.envs.sandbox import Sandbox
 from hetrl.envs.tasks_synthetic import SuiteConfig, synthetic_suite
 from hetrl.models.config import ModelConfig
+from hetrl.models.resolve import check_model_path, resolve_model
 from hetrl.orchestrator.episodes import EpisodeRunner
 from hetrl.orchestrator.evaluation import evaluate_tasks
 from hetrl.orchestrator.report import LiveDisplay, MetricsWriter, write_plots
+from hetrl.orchestrator.run_folder import RunFolder
 from hetrl.samplers.base import Generation, GenerationRequest, Sampler
 from hetrl.samplers.faults import ChaosLedger, ChaosSampler
 from hetrl.samplers.fleet import Fleet, JobResult, PoolConfig, Replica
@@ -299,10 +305,13 @@ class AsyncOrchestrator(abc.ABC):
         self.config = config
         self.wrap_sampler = wrap_sampler
         self.console = config.logging.console if console is None else console
-        self.output_dir = pathlib.Path(config.output_dir)
-        self.metrics_path = pathlib.Path(config.logging.jsonl_path or self.output_dir / "metrics.jsonl")
-        self.tensorboard_dir = pathlib.Path(config.logging.tensorboard_dir or self.output_dir / "tensorboard")
-        self.checkpoint_dir = pathlib.Path(config.checkpointing.directory or self.output_dir / "checkpoints")
+        self.folder = RunFolder(pathlib.Path(config.output_dir))
+        check_model_path(config.model)
+        self.folder.check_start(config)
+        self.output_dir = self.folder.root
+        self.metrics_path = self.folder.metrics
+        self.tensorboard_dir = self.folder.tensorboard
+        self.checkpoint_dir = self.folder.checkpoints
         self.chaos_ledger = ChaosLedger()
         self._incarnations: dict[str, int] = {}
         self._stop_requested = threading.Event()
@@ -332,8 +341,8 @@ class AsyncOrchestrator(abc.ABC):
         from tokenizers import Tokenizer
 
         cfg = self.config
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        self.model_dir = cfg.model.materialize(self.output_dir / "model")
+        self.folder.write_config(cfg)
+        self.model_dir = resolve_model(cfg.model, self.folder.models, console=self.console)
         self.model_config = ModelConfig.load(self.model_dir)
         tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
         self.chat = ChatFormat.from_tokenizer(tokenizer)
@@ -387,7 +396,7 @@ class AsyncOrchestrator(abc.ABC):
         else:
             from hetrl.samplers.sglang import ServerSampler
 
-            sampler = ServerSampler(pool, numerics, model_dir=self.model_dir, weights_dir=self.output_dir / "weights",
+            sampler = ServerSampler(pool, numerics, model_dir=self.model_dir, weights_dir=self.folder.weights,
                                     endpoints=[pool.endpoints[index]])
         if self.config.fleet.chaos is not None:
             chaos = self.config.fleet.chaos
@@ -607,8 +616,10 @@ class AsyncOrchestrator(abc.ABC):
         self._eval_sampler.reseed(self.config.seed)  # the same noise at every evaluation: paired comparisons
         e = self.options.eval
         sampling = SamplingParams(temperature=1.0, top_k=1) if e.greedy else self.config.async_.sampling
+        episodes: list[dict[str, Any]] = []
         scores = evaluate_tasks(self.runner, self._eval_sampler, list(self.eval_tasks) * e.samples, sampling,
-                                prefix=f"eval{self.trainer.version}", batch=SAMPLER_BATCH)
+                                prefix=f"eval{self.trainer.version}", batch=SAMPLER_BATCH, episodes=episodes)
+        self.folder.write_generations(self.trainer.version, episodes)
         return {f"eval/{k}": v for k, v in scores.items()}
 
     # ================================================================== the trainer loop
@@ -637,7 +648,7 @@ class AsyncOrchestrator(abc.ABC):
         self._outstanding = len(self.buffer)
         self._dropped_seen = self._buffer_dropped()
         self._counts = {k: 0 for k in ("rollouts_valid", "rollouts_rejected", "groups_rejected", "groups_rerouted",
-                                       "continuation_failures")}
+                                       "continuation_failures", "groups_trained")}
         self._unfinished: dict[str, str] = {}  # group id -> task id of every submitted group not yet buffered
         self._carried_over: list[Task] = []  # tasks in flight at the checkpoint a resumed run starts from
         if self._resume_state is not None:
@@ -707,6 +718,7 @@ class AsyncOrchestrator(abc.ABC):
                     for g in groups:
                         self.fleet.record_trained(g.pool, int(sum(r.loss_mask.sum() for r in g.rollouts)))
                         trained.append((g.group_id, g.pool, g.min_version, version))
+                    self._counts["groups_trained"] += len(groups)
                     stale = [version - g.min_version for g in groups]
                     max_stale_seen = max(max_stale_seen, *stale)
                     now = time.monotonic()
@@ -751,13 +763,15 @@ class AsyncOrchestrator(abc.ABC):
         steps = self.trainer.checkpoint_steps()
         self.trainer.close()
         self._prune_snapshots(steps)
-        plots = write_plots(history, self.pool_names, self.output_dir / "plots")
+        self.folder.prune_hf(steps)
+        plots = write_plots(history, self.pool_names, self.folder.plots)
         fm = self.fleet.metrics()
         bm = self.buffer.metrics()
         final = {
             "backend": self.backend,
-            "wall_s": time.monotonic() - t_start, "version": self.trainer.version, "max_staleness": max_stale_seen,
-            "groups_trained": len(trained), "groups_dropped": int(bm["buffer/dropped"]),
+            "wall_s": time.monotonic() - t_start, "version": self.trainer.version,
+            "max_staleness": max([max_stale_seen] + [int(r["staleness/max"]) for r in history if "staleness/max" in r]),
+            "groups_trained": self._counts["groups_trained"], "groups_dropped": int(bm["buffer/dropped"]),
             "groups_retracted": len(self._retracted),
             "rollouts_rejected": self._counts["rollouts_rejected"], "requeues": int(fm["fleet/requeues"]),
             "output_dir": str(self.output_dir), "errors_sample": self._errors[-5:],
@@ -767,7 +781,7 @@ class AsyncOrchestrator(abc.ABC):
             **({k.replace("chaos/", "chaos_"): int(v) for k, v in self.chaos_ledger.metrics().items()}
                if cfg.fleet.chaos is not None else {}),
         }
-        (self.output_dir / "summary.json").write_text(json.dumps(final, indent=2))
+        self.folder.summary.write_text(json.dumps(final, indent=2))
         return RunResult(history, final, trained, list(self.result_received), list(self.result_submitted),
                          list(self._retracted), {k: list(v) for k, v in self._rollout_versions.items()},
                          {k: list(v) for k, v in self._rollout_spans.items()}, list(self._rewards),
@@ -795,6 +809,8 @@ class AsyncOrchestrator(abc.ABC):
             }
         write_atomic(self.checkpoint_dir / f"buffer-{v}.json", json.dumps(buffer))
         write_atomic(self.checkpoint_dir / f"loop-{v}.json", json.dumps(loop))
+        self.folder.export_hf(v, self.trainer.export_hf_weights(), self.model_dir)
+        self.folder.prune_hf(self.trainer.checkpoint_steps())
 
     def _restore_loop_state(self, state: Mapping[str, Any]) -> None:
         """Continue from :meth:`_snapshot_state`'s record: the data order where it was, group ids

@@ -19,7 +19,7 @@ Calls travel through Ray's object store with Ray's own serialization, between ou
 processes only. Published weights (HF-named numpy arrays) are put into the object store once
 per version (:class:`SharedWeights`) and every actor loads that one copy. Actors reserve no CPU
 (``num_cpus=0``) so any number of them share a small machine; the trainer's checkpoints are
-written by its actor to ``checkpointing.directory``, which must be on a disk the driver sees.
+written by its actor to the run folder's ``checkpoints/``, which must be on a disk the driver sees.
 
 Ray: ``ray.address`` connects to a running cluster; otherwise a private local instance is
 started (``ray.num_cpus``, files under ``ray.temp_dir`` or a fresh short directory in /tmp,

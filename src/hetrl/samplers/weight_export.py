@@ -22,7 +22,7 @@ import numpy as np
 
 from hetrl.models.hf_io import save_state_dict, verify_manifest
 
-__all__ = ["MODEL_FILES", "export_directory", "export_weights", "prune_exports"]
+__all__ = ["MODEL_FILES", "export_directory", "export_weights", "prune_exports", "save_hf_checkpoint"]
 
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json")
@@ -30,6 +30,16 @@ MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "token
 
 _lock = threading.Lock()
 _verified: set[pathlib.Path] = set()  # exports this process checked against their manifest
+
+
+def save_hf_checkpoint(directory: str | os.PathLike, weights: Mapping[str, np.ndarray],
+                       base_dir: str | os.PathLike) -> None:
+    """Write HF-named ``weights`` to ``directory`` as a complete HF checkpoint: the safetensors
+    and their manifest, and the :data:`MODEL_FILES` the base checkpoint ``base_dir`` has."""
+    save_state_dict(directory, weights)
+    for name in MODEL_FILES:
+        if (pathlib.Path(base_dir) / name).exists():
+            shutil.copyfile(pathlib.Path(base_dir) / name, pathlib.Path(directory) / name)
 
 
 def export_directory(root: str | os.PathLike, version: int) -> pathlib.Path:
@@ -46,10 +56,7 @@ def export_weights(root: str | os.PathLike, version: int, weights: Mapping[str, 
         if not target.exists():
             tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
             try:
-                save_state_dict(tmp, weights)
-                for name in MODEL_FILES:
-                    if (pathlib.Path(base_dir) / name).exists():
-                        shutil.copyfile(pathlib.Path(base_dir) / name, tmp / name)
+                save_hf_checkpoint(tmp, weights, base_dir)
                 try:
                     os.rename(tmp, target)
                 except OSError:
