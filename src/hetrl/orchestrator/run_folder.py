@@ -135,9 +135,9 @@ class RunFolder:
             raise ConfigError(f"--resume: cannot read {self.config}: {err}") from None
         refused, changed = compare_configs(saved if isinstance(saved, dict) else {}, config.resolved())
         if refused:
-            raise ConfigError(f"--resume: the run in {self.root} was trained with other {', '.join(refused)} "
-                              f"(see its config.yaml); a resumed run keeps them: resume with the run's settings, "
-                              f"or start a new run in a fresh output_dir")
+            raise ConfigError(f"--resume: settings differ from the run's ({self.config}) that a resumed run must "
+                              f"keep: {', '.join(refused)}; resume with the run's settings, or start a new run "
+                              "in a fresh output_dir")
         if changed:
             log.warning("hetrl train: resuming %s with changed settings: %s", self.root, "; ".join(changed))
 
