@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from hetrl.cli import main
-from hetrl.config import CONFIG_DIR, ConfigError, load_config
+from hetrl.config import CONFIG_DIR, load_config
 from hetrl.orchestrator.run_folder import RunFolder, compare_configs
 
 REPO = CONFIG_DIR.parent
@@ -201,7 +201,7 @@ def test_the_resolved_config_and_generations_of_every_evaluation_are_written(run
     assert load_config(root / "b" / "config.yaml").resolved() == _tiny(root / "b", "steps=2").resolved()
     assert sorted(p.name for p in (root / "b" / "generations").iterdir()) == ["eval-0.jsonl", "eval-2.jsonl"]
     records = [json.loads(x) for x in (root / "b" / "generations" / "eval-2.jsonl").read_text().splitlines()]
-    assert len(records) == 2 and {r["task_id"] for r in records} == {t.task_id for t in _suite_heldout(b)[:2]}
+    assert len(records) == 2 and {r["task_id"] for r in records} == {t.task_id for t in _heldout()[:2]}
     for r in records:
         assert set(r) == {"task_id", "prompt", "completion", "reward", "success"}
         assert r["prompt"] and isinstance(r["completion"], str) and isinstance(r["success"], bool)
@@ -210,7 +210,8 @@ def test_the_resolved_config_and_generations_of_every_evaluation_are_written(run
     assert evals["eval/reward"] == pytest.approx(sum(r["reward"] for r in records) / 2)
 
 
-def _suite_heldout(result):
+def _heldout():
+    """The held-out tasks of a run of seed 0 that starts from no warm start (its default suite)."""
     from hetrl.envs.tasks_synthetic import SuiteConfig, synthetic_suite
 
     return synthetic_suite(SuiteConfig(seed=0)).heldout

@@ -56,19 +56,22 @@ policy exported as an HF checkpoint ``hf/step-<step>/`` (``hf/latest`` the newes
 episodes of each evaluation in ``generations/eval-<step>.jsonl``; ``plots/*.png``;
 ``summary.json``.
 
-**Resume** (``checkpointing.resume``, ``hetrl train --resume``; refused with nothing to resume
-or with changed settings the checkpoint fixes: :meth:`RunFolder.check_start`): the newest checkpoint is
+**Resume** (``checkpointing.resume``, ``hetrl train --resume``): the newest checkpoint is
 restored (model, optimizer, step) with the buffer as it was (its pending groups are trained, the
 ids it has seen stay refused) and the loop's state: the data order continues where it stopped,
 group ids continue after the last one used (no id is reused), the prompts of groups in flight at
 the checkpoint are submitted first, and the counters (rollout counts, the fleet's requests,
 tokens, busy time and cost) continue. Metric records the interrupted run wrote after the
 checkpoint are dropped from the JSONL (those steps are trained again; a new TensorBoard event
-file starts at the checkpoint's step); the summary covers the whole run. Under the default ``async`` schedule the samplers' random
+file starts at the checkpoint's step). Under the default ``async`` schedule the samplers' random
 streams and the timing are not replayed, so a resumed run continues the same training, not the
 same samples. Under ``async.schedule: lockstep`` (:meth:`AsyncOrchestrator._lockstep_round`)
 nothing depends on timing, and a run resumed from any checkpoint reproduces the uninterrupted
 run exactly (every metric but wall-clock timings).
+
+A resume is refused when there is nothing to resume or when it changes a setting the checkpoint
+fixes (:meth:`hetrl.orchestrator.run_folder.RunFolder.check_start`); the summary of a resumed
+run covers the whole run (its history and counts from step 1; ``wall_s`` is this session's).
 
 **Held-out evaluation** every ``environment.options.eval.every`` steps: a fixed subset of
 ``eval.tasks`` held-out tasks, one episode each, with the trainer's current weights on a
@@ -85,7 +88,6 @@ from __future__ import annotations
 import abc
 import json
 import logging
-import os
 import pathlib
 import threading
 import time
@@ -110,7 +112,7 @@ from hetrl.models.resolve import check_model_path, resolve_model
 from hetrl.orchestrator.episodes import EpisodeRunner
 from hetrl.orchestrator.evaluation import evaluate_tasks
 from hetrl.orchestrator.report import LiveDisplay, MetricsWriter, write_plots
-from hetrl.orchestrator.run_folder import RunFolder
+from hetrl.orchestrator.run_folder import RunFolder, write_atomic
 from hetrl.samplers.base import Generation, GenerationRequest, Sampler
 from hetrl.samplers.faults import ChaosLedger, ChaosSampler
 from hetrl.samplers.fleet import Fleet, JobResult, PoolConfig, Replica
@@ -852,21 +854,6 @@ class AsyncOrchestrator(abc.ABC):
                 "k3": fm.get(f"pool/{name}/mismatch_avg/k3"), "cost_usd": fm[f"pool/{name}/cost/usd"],
             })
         return rows
-
-
-def write_atomic(path: pathlib.Path, text: str) -> None:
-    """Write ``text`` to ``path`` all or nothing (a synced temporary file beside it, then a
-    rename), so a crash mid-write leaves the previous file intact: a resume reads the buffer
-    snapshot of the checkpoint it restores."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _truncate_metrics(path: pathlib.Path, step: int) -> list[dict[str, Any]]:

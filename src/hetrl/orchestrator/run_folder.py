@@ -43,7 +43,7 @@ import yaml
 from hetrl.config import ConfigError, RunConfig
 from hetrl.core.checkpoints import complete_steps
 
-__all__ = ["RunFolder", "FIXED_BY_RUN", "NOT_COMPARED", "compare_configs", "flatten"]
+__all__ = ["RunFolder", "FIXED_BY_RUN", "NOT_COMPARED", "compare_configs", "flatten", "write_atomic"]
 
 log = logging.getLogger(__name__)
 
@@ -144,13 +144,13 @@ class RunFolder:
     def write_config(self, config: RunConfig) -> None:
         """Write ``config.yaml``: the resolved config of the run (or of its latest resume)."""
         self.root.mkdir(parents=True, exist_ok=True)
-        _write_atomic(self.config, config.to_yaml())
+        write_atomic(self.config, config.to_yaml())
 
     def write_generations(self, step: int, records: Sequence[Mapping[str, Any]]) -> pathlib.Path:
         """``generations/eval-<step>.jsonl``: one JSON line per held-out episode of that evaluation."""
         self.generations.mkdir(parents=True, exist_ok=True)
         path = self.generations / f"eval-{int(step)}.jsonl"
-        _write_atomic(path, "".join(json.dumps(dict(r), sort_keys=True) + "\n" for r in records))
+        write_atomic(path, "".join(json.dumps(dict(r), sort_keys=True) + "\n" for r in records))
         return path
 
     def export_hf(self, step: int, weights: Mapping[str, np.ndarray], base_dir: str | os.PathLike) -> pathlib.Path:
@@ -188,7 +188,16 @@ class RunFolder:
                 shutil.rmtree(self.hf / f"step-{step}", ignore_errors=True)
 
 
-def _write_atomic(path: pathlib.Path, text: str) -> None:
-    from hetrl.orchestrator.loop import write_atomic
-
-    write_atomic(path, text)
+def write_atomic(path: pathlib.Path, text: str) -> None:
+    """Write ``text`` to ``path`` all or nothing (a synced temporary file beside it, then a
+    rename), so a crash mid-write leaves the previous file intact: a resume reads the buffer
+    snapshot of the checkpoint it restores."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
