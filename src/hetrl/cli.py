@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import shlex
+import signal
 import sys
 
 #: Subcommands implemented in their own module: name -> (module, help).
@@ -86,8 +87,9 @@ def _train(args: argparse.Namespace) -> int:
             stop.on_request(orchestrator.request_stop)  # the trainer loop stops after its step, checkpointed
             result = orchestrator.run()
         except Stopped as err:
-            print(f"hetrl train: {err}, before any training step: nothing to checkpoint; run the same command "
-                  f"again to start over", file=sys.stderr)
+            print(f"hetrl train: stopped by {signal.Signals(stop.signum or signal.SIGTERM).name} during {err.phase}, "
+                  f"before any training step: nothing to checkpoint; run the same command again to start over",
+                  file=sys.stderr)
             return stop.exit_status
         except UserError as err:
             print(f"hetrl train: {err}", file=sys.stderr)

@@ -127,6 +127,10 @@ SamplerWrapper = Callable[[PoolConfig, int, Sampler], Sampler]
 SAMPLER_BATCH = 16
 """Rows of every embedded generate call (fewer are padded): one compiled batch shape."""
 
+WORKER_JOIN_S = 120.0
+"""How long the end of a run (or a stop) waits for the rollout workers to leave the call they are in:
+a thread still inside JAX when the interpreter exits aborts the process."""
+
 
 class TrainerHandle(Protocol):
     """What the loop needs from the trainer (:class:`hetrl.trainer_jax.trainer.JaxTrainer`, or a
@@ -719,8 +723,9 @@ class AsyncOrchestrator(abc.ABC):
             self._stop.set()
             self.fleet.close()
             self.buffer.close()
+            deadline = time.monotonic() + WORKER_JOIN_S  # a worker may be inside a generate call (or its compilation)
             for t in list(self._threads):
-                t.join(timeout=30)
+                t.join(timeout=max(0.0, deadline - time.monotonic()))
             writer.close()
         if not self.trainer.checkpoint_steps() or self.trainer.checkpoint_steps()[-1] != self.trainer.version:
             self.trainer.save(force=True)

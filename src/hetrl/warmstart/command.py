@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import signal
 import sys
 
 __all__ = ["add_arguments", "run", "default_directory"]
@@ -49,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             result = run_warmstart(config, out, console=not args.no_progress)
         except Stopped as err:
-            print(f"hetrl warmstart: {err}: nothing saved; run the same command again to start over", file=sys.stderr)
+            print(f"hetrl warmstart: stopped by {signal.Signals(stop.signum or signal.SIGTERM).name} during "
+                  f"{err.phase}: nothing saved; run the same command again to start over", file=sys.stderr)
             return stop.exit_status
     wall = result["wall_s"]
     print(f"warm start {result['key']}: {result['parameters']:,} parameters, {result['train_transcripts']} transcripts, "
