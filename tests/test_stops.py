@@ -179,6 +179,19 @@ def test_a_stop_token_runs_its_listeners_once_and_late_listeners_at_once():
     assert calls == ["early", "late"] and token.exit_status == 130
 
 
+def test_the_handlers_are_reclaimed_after_a_library_replaces_them_and_restored_after_the_block():
+    from hetrl.stopping import current, reclaim_signals, signal_handlers
+
+    before = signal.getsignal(signal.SIGTERM)
+    with signal_handlers("probe") as token:
+        ours = signal.getsignal(signal.SIGTERM)
+        assert current() is token and ours is signal.getsignal(signal.SIGINT)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # what ray.init does (its own handler)
+        reclaim_signals()
+        assert signal.getsignal(signal.SIGTERM) is ours
+    assert signal.getsignal(signal.SIGTERM) is before and current() is not token
+
+
 # ---------------------------------------------------------------------- hetrl train in each phase
 @pytest.mark.slow
 def test_sigterm_during_the_warm_start_exits_143_without_saving_it(tmp_path):

@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Callable, Iterator
 
-__all__ = ["Stopped", "StopToken", "current", "signal_handlers", "STOP_SIGNALS"]
+__all__ = ["Stopped", "StopToken", "current", "signal_handlers", "reclaim_signals", "STOP_SIGNALS"]
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 DUPLICATE_WINDOW_S = 1.0
@@ -99,6 +99,16 @@ class StopToken:
 
 
 _current = StopToken()
+_handler: Callable[[int, object], None] | None = None  # that of the innermost signal_handlers block
+
+
+def reclaim_signals() -> None:
+    """Install the stop handlers of the current :func:`signal_handlers` block again (after a
+    library replaced them, as ``ray.init`` does with SIGTERM); nothing outside a block or off the
+    main thread."""
+    if _handler is not None and threading.current_thread() is threading.main_thread():
+        for s in STOP_SIGNALS:
+            signal.signal(s, _handler)
 
 
 def _say(line: str) -> None:
@@ -119,8 +129,8 @@ def signal_handlers(command: str) -> Iterator[StopToken]:
     """Within the block, SIGINT and SIGTERM request a stop on a fresh :func:`current` token
     (saying so on stderr as ``command``); a second signal runs the force hooks and exits with
     ``128 + signal`` at once. The previous handlers and token are restored afterwards."""
-    global _current
-    token, previous_token = StopToken(), _current
+    global _current, _handler
+    token, previous_token, previous_handler = StopToken(), _current, _handler
 
     def handle(signum: int, _frame: object) -> None:
         name = signal.Signals(signum).name
@@ -134,10 +144,10 @@ def signal_handlers(command: str) -> Iterator[StopToken]:
         token.request(signum)
 
     previous = {s: signal.signal(s, handle) for s in STOP_SIGNALS}
-    _current = token
+    _current, _handler = token, handle
     try:
         yield token
     finally:
-        _current = previous_token
+        _current, _handler = previous_token, previous_handler
         for s, h in previous.items():
             signal.signal(s, h)
