@@ -142,7 +142,6 @@ def test_every_shipped_config_is_covered():
     assert set(REFUSED) <= set(SHIPPED) and {"tiny_mixed.yaml", "tiny_homogeneous.yaml", "tiny_mixed_sglang.yaml"} <= set(SHIPPED)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in SHIPPED if n not in REFUSED])
 def test_every_other_shipped_config_builds_its_orchestrator_up_to_its_endpoints(tmp_path, capsys, name):
     """``--dry-run`` passes; then the set-up runs through (model, trainer, fleet, evaluation
@@ -186,7 +185,6 @@ def test_the_experiment_grid_passes_the_same_checks():
 
 
 # ---------------------------------------------------------------------- errors at run time
-@pytest.mark.slow
 def test_an_sglang_endpoint_with_no_server_is_one_line_naming_it(tmp_path):
     dead = f"http://127.0.0.1:{_free_port()}"
     run = subprocess.run(

@@ -19,8 +19,12 @@ section to the other kind (:func:`translate_trainer_section`), so one config ser
 :func:`load_config` reads a YAML file, applies overrides ``a.b[0].c=value`` (the value parsed as
 YAML, so ``2``, ``0.5``, ``true``, ``null``, ``[0.5, 2.0]`` are typed) and validates. Any
 problem raises :class:`ConfigError` whose message names the dotted key, e.g.
-``fleet.pools[3].weight_precision: Value error, accelerator 'a100' does not run weight format
-'fp8_e4m3' natively``. :meth:`RunConfig.to_yaml` prints the resolved config (defaults filled,
+``fleet.pools[3].weight_precision: accelerator 'a100' does not run weight format 'fp8_e4m3'
+natively``; an unknown key gets the nearest known one (``logging.evrey: unknown key 'evrey' (did
+you mean 'every'?)``), and an error an override caused names the override instead of the file
+(``--set trainer.optimzer.learning_rate=1e-4: unknown key 'optimzer' (did you mean
+'optimizer'?)``). ``environment.options`` are typed by the environment's ``name``
+(:mod:`hetrl.envs.options`), so they are checked here too. :meth:`RunConfig.to_yaml` prints the resolved config (defaults filled,
 correction thresholds resolved); loading that output gives the same config.
 """
 

@@ -30,8 +30,8 @@ def _trainer_problems(config: RunConfig) -> list[str]:
         if ranks != TRAINER_RANKS:
             return [f"trainer: tensor_parallel {t.tensor_parallel} x pipeline_parallel {t.pipeline_parallel} x "
                     f"data_parallel {t.data_parallel} needs {ranks} trainer ranks and the loop runs the trainer as "
-                    f"{TRAINER_RANKS} (multi-rank training has not landed); set tensor_parallel, pipeline_parallel "
-                    f"and data_parallel to 1 (or -1)"]
+                    f"{TRAINER_RANKS} (multi-rank training has not landed); set trainer.tensor_parallel and "
+                    f"trainer.pipeline_parallel to 1 (data_parallel to 1 or -1)"]
         return []
     problems = []
     d = t.distributed
