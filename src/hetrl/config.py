@@ -544,11 +544,6 @@ def _error_parts(loc: Sequence[str | int], raw: Any) -> list[str | int]:
     return parts
 
 
-def _error_key(loc: Sequence[str | int], raw: Any) -> str:
-    """The dotted key of a pydantic error location (:func:`_error_parts`)."""
-    return format_path(_error_parts(loc, raw)) or "<root>"
-
-
 def _members(tp: Any) -> list[Any]:
     """The types ``tp`` may be: ``Annotated`` unwrapped, a union split, None dropped."""
     while get_origin(tp) is Annotated:
