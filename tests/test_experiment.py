@@ -163,7 +163,8 @@ def test_a_bad_run_config_is_refused_before_anything_runs(tmp_path):
         build_plan(config, source)
     data = _grid(defaults={"environment.options.eval.sample": 2})
     config, source = load_experiment(_write(tmp_path, data))
-    with pytest.raises(ExperimentError, match=r"arm 'homog'.*\n  environment\.options\.eval\.sample: Extra inputs"):
+    with pytest.raises(ExperimentError, match=r"arm 'homog': --set environment\.options\.eval\.sample=2: unknown key "
+                                              r"'sample' \(did you mean 'samples'\?\)"):
         build_plan(config, source)
 
 

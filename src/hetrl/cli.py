@@ -3,8 +3,12 @@
 ``hetrl train CONFIG [--set KEY=VALUE]... [--trainer jax|megatron] [--backend local|ray] [--resume]
 [--dry-run]`` loads and validates the run config (:mod:`hetrl.config`); with ``--dry-run`` it
 prints it resolved,
-otherwise it runs the asynchronous loop on the config's backend and prints a short summary
-(SIGTERM stops it gracefully: the step in progress finishes and is checkpointed).
+otherwise it runs the asynchronous loop on the config's backend and prints a short summary.
+SIGINT or SIGTERM stops it in any phase (:mod:`hetrl.stopping`): during training the step in
+progress finishes and is checkpointed, the summary says ``stopped at step k of n`` with the
+command that resumes it, and the exit status is ``128 + signal`` (130, 143), not 0; a second
+signal exits at once. A problem the user can fix (:class:`hetrl.errors.UserError`: a bad config,
+a missing path, a server not running) is one line on stderr and exit status 1.
 Other commands live in their own modules (:data:`COMMANDS`): each exposes
 ``add_arguments(parser)`` and ``run(args) -> exit code`` and imports its heavy dependencies only
 inside ``run``. The rest says plainly when its machinery has not landed yet instead of
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import shlex
 import signal
 import sys
 
@@ -55,38 +60,56 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _train(args: argparse.Namespace) -> int:
-    """Load and validate the config (exit 1 with the bad keys named if invalid); with
-    ``--dry-run`` print it resolved and exit 0; otherwise train (exit 0 when every step ran)."""
-    from hetrl.config import ConfigError, load_config
+    """Load and validate the config and check that the loop would run it (exit 1 with the bad
+    keys or the reason named if not); with ``--dry-run`` print it resolved and exit 0; otherwise
+    train: exit 0 when every step ran, ``128 + signal`` when SIGINT / SIGTERM stopped it
+    (:mod:`hetrl.stopping`), 1 on a problem the user can fix (:class:`~hetrl.errors.UserError`,
+    one line, in any phase)."""
+    from hetrl.config import load_config, resolve_config_path
+    from hetrl.errors import UserError
+    from hetrl.stopping import Stopped, signal_handlers
 
     overrides = (([f"trainer.kind={args.trainer}"] if args.trainer else []) + list(args.overrides)
                  + ([f"backend={args.backend}"] if args.backend else [])
                  + (["checkpointing.resume=true"] if args.resume else []))
-    try:
-        config = load_config(args.config, overrides)
-    except ConfigError as err:
-        print(f"hetrl train: {err}", file=sys.stderr)
-        return 1
-    if args.dry_run:
-        sys.stdout.write(config.to_yaml())
-        return 0
-    from hetrl.orchestrator import build_orchestrator
-    from hetrl.orchestrator.report import summary_lines
+    with signal_handlers("hetrl train") as stop:  # before anything heavy: every phase can be stopped
+        try:
+            config = load_config(args.config, overrides)
+            from hetrl.orchestrator.preflight import check_runnable
 
-    try:
-        orchestrator = build_orchestrator(config)
-    except ConfigError as err:
-        print(f"hetrl train: {err}", file=sys.stderr)
-        return 1
-    # SIGTERM (a preemptible machine reclaimed, a scheduler's stop): finish the step, checkpoint, exit 0
-    previous = signal.signal(signal.SIGTERM, lambda *_: orchestrator.request_stop())
-    try:
-        result = orchestrator.run()
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+            check_runnable(config, str(resolve_config_path(args.config)))
+            if args.dry_run:
+                sys.stdout.write(config.to_yaml())
+                return 0
+            from hetrl.orchestrator import build_orchestrator
+            from hetrl.orchestrator.report import summary_lines
+
+            orchestrator = build_orchestrator(config)
+            stop.on_request(orchestrator.request_stop)  # the trainer loop stops after its step, checkpointed
+            result = orchestrator.run()
+        except Stopped as err:
+            print(f"hetrl train: stopped by {signal.Signals(stop.signum or signal.SIGTERM).name} during {err.phase}, "
+                  f"before any training step: nothing to checkpoint; run the same command again to start over",
+                  file=sys.stderr)
+            return stop.exit_status
+        except UserError as err:
+            print(f"hetrl train: {err}", file=sys.stderr)
+            return 1
     for line in summary_lines(result.history, result.final):
         print(line)
-    return 0
+    if not result.final.get("stopped"):
+        return 0
+    print(f"stopped at step {result.final['version']} of {result.final['steps']}; resume with "
+          f"`{_resume_command(args)}`")
+    return stop.exit_status
+
+
+def _resume_command(args: argparse.Namespace) -> str:
+    """The ``hetrl train`` command line of ``args`` with ``--resume``."""
+    argv = ["hetrl", "train", args.config, *(a for o in args.overrides for a in ("--set", o))]
+    argv += [*(["--trainer", args.trainer] if args.trainer else []), *(["--backend", args.backend] if args.backend else []),
+             "--resume"]
+    return shlex.join(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,8 +19,12 @@ section to the other kind (:func:`translate_trainer_section`), so one config ser
 :func:`load_config` reads a YAML file, applies overrides ``a.b[0].c=value`` (the value parsed as
 YAML, so ``2``, ``0.5``, ``true``, ``null``, ``[0.5, 2.0]`` are typed) and validates. Any
 problem raises :class:`ConfigError` whose message names the dotted key, e.g.
-``fleet.pools[3].weight_precision: Value error, accelerator 'a100' does not run weight format
-'fp8_e4m3' natively``. :meth:`RunConfig.to_yaml` prints the resolved config (defaults filled,
+``fleet.pools[3].weight_precision: accelerator 'a100' does not run weight format 'fp8_e4m3'
+natively``; an unknown key gets the nearest known one (``logging.evrey: unknown key 'evrey' (did
+you mean 'every'?)``), and an error an override caused names the override instead of the file
+(``--set trainer.optimzer.learning_rate=1e-4: unknown key 'optimzer' (did you mean
+'optimizer'?)``). ``environment.options`` are typed by the environment's ``name``
+(:mod:`hetrl.envs.options`), so they are checked here too. :meth:`RunConfig.to_yaml` prints the resolved config (defaults filled,
 correction thresholds resolved); loading that output gives the same config.
 
 **Paths.** Every output of a run lives under ``output_dir`` (the run folder, laid out by
@@ -35,16 +39,21 @@ as any path typed in a shell. Absolute paths and URLs (``gs://...``) are kept as
 
 from __future__ import annotations
 
+import difflib
 import pathlib
 import re
-from typing import Annotated, Any, Literal, Sequence, Union
+import types
+from typing import Annotated, Any, Literal, Mapping, Sequence, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, create_model, model_validator
 
+from hetrl.errors import UserError
 from hetrl.core.checkpoints import CheckpointConfig
 from hetrl.core.correction import CorrectionConfig, correction_preset
 from hetrl.core.schema import SamplingParams
+from hetrl.envs.coding import CodingEnvConfig
+from hetrl.envs.options import SyntheticEnvOptions
 from hetrl.samplers.fleet import FleetConfig
 from hetrl.trainer_megatron.config import MegatronTrainerConfig, OptimizerSettings, ParallelConfig
 from hetrl.warmstart.config import WarmstartConfig
@@ -58,7 +67,8 @@ from hetrl.trainer_jax.config import (
 
 __all__ = [
     "ConfigError", "ModelSection", "JaxTrainerSection", "MegatronTrainerSection",
-    "TrainerSection", "CorrectionSection", "AsyncSection", "EnvironmentSection", "LoggingSection",
+    "TrainerSection", "CorrectionSection", "AsyncSection", "EnvironmentSection", "SyntheticEnvironmentSection",
+    "CodingEnvironmentSection", "LoggingSection",
     "CheckpointingSection", "RaySection", "RunConfig", "CONFIG_DIR", "load_config", "validate_config", "apply_override",
     "load_yaml", "format_path", "translate_trainer_section",
     "resolve_config_path", "resolve_file_paths", "PATH_KEYS",
@@ -68,8 +78,8 @@ CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
 """The repository's ``configs/`` directory (bare config names are looked up there)."""
 
 
-class ConfigError(ValueError):
-    """A configuration problem; the message names the file and the dotted key."""
+class ConfigError(UserError, ValueError):
+    """A configuration problem; the message names the file (or the ``--set`` override) and the dotted key."""
 
 
 class _Strict(BaseModel):
@@ -173,7 +183,7 @@ class CorrectionSection(_CorrectionFields):  # type: ignore[misc, valid-type]
         try:
             self.resolve()
         except ValidationError as err:  # re-raised as a plain error so the location stays `correction`
-            raise ValueError("; ".join(f"{'.'.join(map(str, e['loc'])) or self.preset}: {e['msg']}"
+            raise ValueError("; ".join(f"{format_path(e['loc'])}: {_error_message(e)}" if e["loc"] else _error_message(e)
                                        for e in err.errors())) from None
         return self
 
@@ -207,12 +217,34 @@ class AsyncSection(_Strict):
         return self
 
 
-class EnvironmentSection(_Strict):
-    """The task environment: ``name`` (e.g. ``synthetic`` or ``coding``) and its ``options``
-    (passed to the environment's constructor, which validates them)."""
+class SyntheticEnvironmentSection(_Strict):
+    """``name: synthetic``: the synthetic coding suite; ``options``: :class:`SyntheticEnvOptions`
+    (``suite``, ``eval``, ``coding``)."""
 
-    name: str = Field("synthetic", min_length=1)
-    options: dict[str, Any] = Field(default_factory=dict)
+    name: Literal["synthetic"] = "synthetic"
+    options: SyntheticEnvOptions = SyntheticEnvOptions()
+
+
+class CodingEnvironmentSection(_Strict):
+    """``name: coding``: the coding environment on a task source of the cluster's own;
+    ``options``: its :class:`CodingEnvConfig` (e.g. ``max_turns``)."""
+
+    name: Literal["coding"]
+    options: CodingEnvConfig = CodingEnvConfig()
+
+
+def _environment_name(data: Any) -> str | None:
+    """The ``name`` tag of an environment section (``synthetic`` when omitted)."""
+    return data.get("name", "synthetic") if isinstance(data, dict) else getattr(data, "name", None)
+
+
+EnvironmentSection = Annotated[Union[Annotated[SyntheticEnvironmentSection, Tag("synthetic")],
+                                     Annotated[CodingEnvironmentSection, Tag("coding")]],
+                               Discriminator(_environment_name, custom_error_type="environment_name",
+                                             custom_error_message="name must be 'synthetic' or 'coding'")]
+"""The task environment: ``name`` (``synthetic`` | ``coding``, default ``synthetic``) and its
+``options``, validated by the environment's own options model, so a mistyped option fails when the
+config is loaded (and by ``--dry-run``)."""
 
 
 class LoggingSection(_Strict):
@@ -264,7 +296,7 @@ class RunConfig(_Strict):
     fleet: FleetConfig
     correction: CorrectionSection = CorrectionSection()
     async_: AsyncSection = Field(AsyncSection(), alias="async")
-    environment: EnvironmentSection = EnvironmentSection()
+    environment: EnvironmentSection = SyntheticEnvironmentSection()
     logging: LoggingSection = LoggingSection()
     checkpointing: CheckpointingSection = CheckpointingSection()
     ray: RaySection = RaySection()
@@ -485,14 +517,17 @@ def apply_override(data: dict[str, Any], override: str) -> None:
             node = node[part]
 
 
-def _error_key(loc: Sequence[str | int], raw: Any) -> str:
-    """The dotted key of a pydantic error location, walking the raw data so that the union tag
-    pydantic inserts (``trainer.jax.mesh`` for ``trainer: {kind: jax, mesh: ...}``) is dropped."""
+def _error_parts(loc: Sequence[str | int], raw: Any) -> list[str | int]:
+    """The key path of a pydantic error location, walking the raw data so that the union tag
+    pydantic inserts (``trainer.jax.mesh`` for ``trainer: {kind: jax, mesh: ...}``, or
+    ``environment.synthetic.options`` for an environment whose ``name`` is omitted) is dropped."""
     parts: list[str | int] = []
     node = raw
-    for p in loc:
-        if isinstance(node, dict) and isinstance(p, str) and p not in node and node.get("kind") == p:
-            continue
+    for i, p in enumerate(loc):
+        if isinstance(node, dict) and isinstance(p, str) and p not in node:
+            following = loc[i + 1] if i + 1 < len(loc) else None
+            if p in (node.get("kind"), node.get("name")) or (isinstance(following, str) and following in node):
+                continue
         parts.append(p)
         if isinstance(node, dict):
             node = node.get(p)
@@ -500,17 +535,87 @@ def _error_key(loc: Sequence[str | int], raw: Any) -> str:
             node = node[p]
         else:
             node = None
-    return format_path(parts) or "<root>"
+    return parts
 
 
-def validate_config(data: Any, source: str = "<config>") -> RunConfig:
-    """Validate raw config data; raise :class:`ConfigError` naming every bad key."""
+def _members(tp: Any) -> list[Any]:
+    """The types ``tp`` may be: ``Annotated`` unwrapped, a union split, None dropped."""
+    while get_origin(tp) is Annotated:
+        tp = get_args(tp)[0]
+    if get_origin(tp) in (Union, types.UnionType):
+        return [m for arg in get_args(tp) for m in _members(arg) if m is not type(None)]
+    return [tp]
+
+
+def _step(tp: Any, part: str | int) -> Any:
+    """The type at ``part`` (a field, alias, union tag or index) inside ``tp``, or None."""
+    for member in _members(tp):
+        if isinstance(member, type) and issubclass(member, BaseModel):
+            for name, info in member.model_fields.items():
+                if part in (name, info.alias):
+                    return info.annotation
+            for tag in ("kind", "name"):  # a discriminated union's tag: pydantic's location names it
+                info = member.model_fields.get(tag)
+                if info is not None and get_origin(info.annotation) is Literal and get_args(info.annotation) == (part,):
+                    return member
+        elif isinstance(part, int) and get_origin(member) in (list, tuple):
+            return get_args(member)[0]
+        elif isinstance(part, str) and get_origin(member) is dict:
+            return get_args(member)[1]
+    return None
+
+
+def _unknown_key_message(loc: Sequence[str | int]) -> str:
+    """``unknown key 'x'`` with the nearest field name of the model at ``loc`` (did you mean)."""
+    key = loc[-1]
+    tp: Any = RunConfig
+    for part in loc[:-1]:
+        tp = _step(tp, part) if tp is not None else None
+    names = [n for m in _members(tp) if isinstance(m, type) and issubclass(m, BaseModel)
+             for name, info in m.model_fields.items() for n in (info.alias or name,)]
+    close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
+    return f"unknown key {key!r}" + (f" (did you mean {close[0]!r}?)" if close else
+                                     (f" (known keys: {', '.join(sorted(set(names)))})" if names else ""))
+
+
+def _error_message(error: Mapping[str, Any]) -> str:
+    """One pydantic error's message: an unknown key with its did-you-mean; a validator's own
+    message without pydantic's ``Value error,`` prefix."""
+    if error["type"] == "extra_forbidden":
+        return _unknown_key_message(error["loc"])
+    if error["type"] == "value_error" and "error" in error.get("ctx", {}):
+        return str(error["ctx"]["error"])
+    return error["msg"]
+
+
+def _is_prefix(a: Sequence[str | int], b: Sequence[str | int]) -> bool:
+    return len(a) <= len(b) and list(b[: len(a)]) == list(a)
+
+
+def _error_line(error: Mapping[str, Any], raw: Any, overrides: Sequence[str]) -> str:
+    """``key: message``, or ``--set OVERRIDE: [key: ]message`` when the latest override that
+    set this key (or a section above it, or a key below it) caused it."""
+    parts, message = _error_parts(error["loc"], raw), _error_message(error)
+    key = format_path(parts)
+    if parts:
+        for override in reversed(overrides):
+            target = _parse_path(override.partition("=")[0].strip())
+            if _is_prefix(target, parts) or _is_prefix(parts, target):
+                return f"--set {override}: {message}" if len(target) >= len(parts) else f"--set {override}: {key}: {message}"
+    return f"{key}: {message}" if key else message
+
+
+def validate_config(data: Any, source: str = "<config>", overrides: Sequence[str] = ()) -> RunConfig:
+    """Validate raw config data; raise :class:`ConfigError` naming every bad key (and the
+    ``--set`` override among ``overrides`` that caused an error, instead of the file)."""
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the config must be a map, got {type(data).__name__}")
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:
-        lines = [f"{_error_key(e['loc'], data)}: {e['msg']}" for e in err.errors()]
+        lines = list(dict.fromkeys(_error_line(e, data, overrides) for e in err.errors()))
+        if all(line.startswith("--set ") for line in lines):  # the command line's fault, not the file's
+            raise ConfigError("\n".join(lines) if len(lines) > 1 else lines[0]) from None
         raise ConfigError(f"{source}: invalid config:\n  " + "\n  ".join(lines)) from None
 
 
@@ -561,4 +666,4 @@ def load_config(path: str | pathlib.Path, overrides: Sequence[str] = ()) -> RunC
     resolve_file_paths(data, file.resolve().parent)
     for o in overrides:
         apply_override(data, o)
-    return validate_config(data, str(file))
+    return validate_config(data, str(file), overrides)

@@ -7,7 +7,8 @@
 permitting); then ``DIR/REPORT.md`` and its plots are
 written (:mod:`hetrl.experiment.report`). Running the same command again only runs what is
 missing and rewrites the report. Exit status: 0 with the report written, 1 on a config problem
-or when a run failed (its log is named; the report needs every run).
+or when a run failed (its log is named; the report needs every run), ``128 + signal`` when
+SIGINT / SIGTERM stopped it (the runs in flight are stopped too, none is left running).
 """
 
 from __future__ import annotations
@@ -36,17 +37,24 @@ def run(args: argparse.Namespace) -> int:
     from hetrl.experiment.report import write_report
     from hetrl.experiment.runner import default_jobs, run_grid
 
-    try:
-        config, source = load_experiment(args.config, quick=args.quick)
-        plan = build_plan(config, source)
-        out = pathlib.Path(args.out or f"runs/experiments/{config.name}{'-quick' if args.quick else ''}")
-        jobs = default_jobs() if args.jobs is None else args.jobs
-        print(f"hetrl experiment {config.name}: {len(plan.runs)} runs of {len(plan.arms)} arms, {jobs} at a time "
-              f"-> {out}")
-        outcome = run_grid(plan, out, jobs=jobs, progress=not args.no_progress)
-    except ExperimentError as err:
-        print(f"hetrl experiment: {err}", file=sys.stderr)
-        return 1
+    from hetrl.stopping import signal_handlers
+
+    with signal_handlers("hetrl experiment") as stop:
+        try:
+            config, source = load_experiment(args.config, quick=args.quick)
+            plan = build_plan(config, source)
+            out = pathlib.Path(args.out or f"runs/experiments/{config.name}{'-quick' if args.quick else ''}")
+            jobs = default_jobs() if args.jobs is None else args.jobs
+            print(f"hetrl experiment {config.name}: {len(plan.runs)} runs of {len(plan.arms)} arms, {jobs} at a time "
+                  f"-> {out}")
+            outcome = run_grid(plan, out, jobs=jobs, progress=not args.no_progress, stop=stop)
+        except ExperimentError as err:
+            print(f"hetrl experiment: {err}", file=sys.stderr)
+            return 1
+    if stop.is_set():
+        print(f"hetrl experiment: stopped: {len(outcome.completed)} runs trained, {len(outcome.stopped)} stopped or not "
+              f"started; run the same command again to train them (a stopped run starts over)", file=sys.stderr)
+        return stop.exit_status
     print(f"runs: {len(outcome.completed)} trained, {len(outcome.skipped)} already complete, "
           f"{len(outcome.failed)} failed")
     if outcome.failed:

@@ -15,9 +15,7 @@ import pathlib
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from pydantic import ValidationError
-
-from hetrl.config import ConfigError, format_path, load_config, resolve_config_path
+from hetrl.config import ConfigError, load_config, resolve_config_path
 from hetrl.experiment.config import ExperimentConfig, ExperimentError, Overrides
 from hetrl.experiment.fleets import RandomFleet, draw_fleets
 
@@ -87,19 +85,15 @@ def _resolve_base(base: str, source: pathlib.Path) -> pathlib.Path:
 
 def _arm_runs(arm: str, base: str, overrides: list[str], seeds: tuple[int, ...], source: pathlib.Path) -> list[RunSpec]:
     """The runs of one arm over ``seeds``; its config is loaded and validated once (the seed is
-    the only difference between them), with the environment options the loop would check."""
-    from hetrl.orchestrator.loop import SyntheticEnvOptions
+    the only difference between them), and checked for what the loop would refuse."""
+    from hetrl.orchestrator.preflight import check_runnable
 
     try:
         path = _resolve_base(base, source)
         config = load_config(path, overrides + [f"seed={seeds[0]}"])
-        if config.environment.name == "synthetic":
-            SyntheticEnvOptions.model_validate(config.environment.options)
+        check_runnable(config, str(path))
     except ConfigError as err:
         raise ExperimentError(f"{source}: arm {arm!r}: {err}") from None
-    except ValidationError as err:
-        lines = [f"environment.options.{format_path(e['loc'])}: {e['msg']}" for e in err.errors()]
-        raise ExperimentError(f"{source}: arm {arm!r}: invalid config:\n  " + "\n  ".join(lines)) from None
     return [RunSpec(arm, s, path, tuple(overrides + [f"seed={s}"]), config.steps) for s in seeds]
 
 

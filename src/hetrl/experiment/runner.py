@@ -5,19 +5,25 @@ Run ``<arm>/s<seed>`` lives in ``<out>/runs/<arm>/s<seed>/``: the train command'
 events are there), with ``train.log`` (its stdout and stderr) and ``experiment_run.json`` (the
 run's spec: base config, overrides, steps) beside them. The command is::
 
-    python -m hetrl.cli train BASE --set <override>... --set output_dir=DIR
-        --set logging.jsonl_path=DIR/metrics.jsonl --set checkpointing.directory=DIR/checkpoints
-        --set logging.console=false
+    python -m hetrl.cli train BASE --set <override>... --set output_dir=DIR --set logging.console=false
 
 **Resuming.** ``hetrl train`` writes ``summary.json`` once, after its last step
 (:meth:`hetrl.orchestrator.loop.AsyncOrchestrator.run`); a run is complete when it is there and
 its trainer ``version`` equals the run's steps. A complete run is never launched again. A
-directory without that marker is an interrupted run: it is removed and the run starts over. A
+directory without that marker is an interrupted run (killed, or stopped with its checkpoint): it is
+removed and the run starts over rather than resuming, so every reported run is one uninterrupted
+process (a resumed run under the default ``async`` schedule trains on other samples than an
+uninterrupted one, and its wall-clock and throughput measures would span two processes); this also
+gives ``hetrl train`` the empty ``output_dir`` a new run needs. A
 directory whose ``experiment_run.json`` is missing or records other settings is refused
 (:class:`ExperimentError`), so a changed grid never silently mixes old and new runs. The base
 config is recorded relative to the experiment config's directory, so a grid directory stays
 valid in another checkout: the same command with ``--out`` pointing at a committed grid (all
 runs complete) trains nothing and only rewrites the report from the raw metrics there.
+
+**Stopping.** A stop of the grid (:mod:`hetrl.stopping`: SIGINT or SIGTERM to ``hetrl
+experiment``) starts no further run and forwards SIGTERM to the runs in flight
+(:class:`SubprocessLauncher`), which checkpoint and exit; none is left running.
 
 Every run's JAX compilations go to one persistent cache (``JAX_COMPILATION_CACHE_DIR``, default
 ``<out>/jax-cache``): runs of the same shapes and numerics compile once.
@@ -40,6 +46,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from hetrl.experiment.config import ExperimentError
 from hetrl.experiment.plan import ExperimentPlan, RunSpec
+from hetrl.stopping import StopToken
 
 __all__ = ["COMPLETE_MARKER", "SPEC_FILE", "LOG_FILE", "RUN_MEMORY_BYTES", "Launcher", "SubprocessLauncher",
            "GridOutcome", "default_jobs", "run_directory", "train_command", "is_complete", "run_grid"]
@@ -49,6 +56,8 @@ SPEC_FILE = "experiment_run.json"
 LOG_FILE = "train.log"
 RUN_MEMORY_BYTES = 3 * 2**30
 """Memory one tiny run may take at its peak (measured: 1.5 to 2.5 GiB resident per run of the default grid)."""
+STOP_GRACE_S = 120.0
+"""Seconds a stopped run has to finish its step and checkpoint before it is killed."""
 
 Launcher = Callable[[RunSpec, list[str], pathlib.Path], int]
 """Runs ``argv`` for ``spec`` with its run directory; returns the exit status."""
@@ -56,23 +65,51 @@ Launcher = Callable[[RunSpec, list[str], pathlib.Path], int]
 
 @dataclass(frozen=True)
 class SubprocessLauncher:
-    """Runs the train command as a child process with ``env``, its output into ``train.log``."""
+    """Runs the train command as a child process with ``env``, its output into ``train.log``.
+
+    The child runs in its own session, so a terminal's Ctrl-C reaches it only through ``stop``:
+    once ``stop`` is set it gets SIGTERM (it checkpoints and exits), and is killed if it has
+    not exited ``grace_s`` later; a forced stop (a second signal) kills it at once. No child
+    outlives the call."""
 
     env: Mapping[str, str]
+    stop: StopToken = field(default_factory=StopToken)
+    grace_s: float = STOP_GRACE_S
 
     def __call__(self, spec: RunSpec, argv: list[str], directory: pathlib.Path) -> int:
         with (directory / LOG_FILE).open("w", encoding="utf-8") as log:
-            return subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=dict(self.env), check=False).returncode
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=dict(self.env),
+                                    start_new_session=True)
+            self.stop.on_force(proc.kill)
+            try:
+                while True:
+                    try:
+                        return proc.wait(timeout=0.2)
+                    except subprocess.TimeoutExpired:
+                        pass
+                    if self.stop.is_set():
+                        proc.terminate()
+                        try:
+                            return proc.wait(timeout=self.grace_s)
+                        except subprocess.TimeoutExpired:
+                            proc.kill()
+                            return proc.wait()
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
 
 
 @dataclass
 class GridOutcome:
     """What :func:`run_grid` did: runs ``completed`` (launched and finished), ``skipped`` (complete
-    before), ``failed`` (``(spec, exit status, log)``)."""
+    before), ``failed`` (``(spec, exit status, log)``), ``stopped`` (interrupted, or never
+    started, because the grid was stopped)."""
 
     completed: list[RunSpec] = field(default_factory=list)
     skipped: list[RunSpec] = field(default_factory=list)
     failed: list[tuple[RunSpec, int, pathlib.Path]] = field(default_factory=list)
+    stopped: list[RunSpec] = field(default_factory=list)
 
 
 def default_jobs(run_memory_bytes: int = RUN_MEMORY_BYTES) -> int:
@@ -93,8 +130,7 @@ def run_directory(out: pathlib.Path, spec: RunSpec) -> pathlib.Path:
 
 def train_command(spec: RunSpec, directory: pathlib.Path) -> list[str]:
     """The ``hetrl train`` argv of ``spec`` writing into ``directory`` (module docstring)."""
-    outputs = [f"output_dir={directory}", f"logging.jsonl_path={directory / 'metrics.jsonl'}",
-               f"checkpointing.directory={directory / 'checkpoints'}", "logging.console=false"]
+    outputs = [f"output_dir={directory}", "logging.console=false"]
     argv = [sys.executable, "-m", "hetrl.cli", "train", str(spec.base)]
     for override in (*spec.overrides, *outputs):
         argv += ["--set", override]
@@ -142,15 +178,19 @@ def _start(spec: RunSpec, directory: pathlib.Path, configs: pathlib.Path) -> Non
 
 
 def run_grid(plan: ExperimentPlan, out: pathlib.Path, *, jobs: int = 1, launcher: Launcher | None = None,
-             progress: bool = True) -> GridOutcome:
+             progress: bool = True, stop: StopToken | None = None) -> GridOutcome:
     """Run every incomplete run of ``plan`` under ``out`` (module docstring), ``jobs`` at a time,
     with a progress bar over runs unless ``progress`` is False. ``launcher`` (default: a
-    :class:`SubprocessLauncher` with the JAX cache set) starts one run."""
+    :class:`SubprocessLauncher` with the JAX cache set, stopping its child on ``stop``) starts
+    one run. Once ``stop`` is set no run starts; the runs in flight end (stopped) and are
+    listed in ``stopped``."""
     if jobs < 1:
         raise ExperimentError(f"--jobs must be >= 1, got {jobs}")
+    stop = StopToken() if stop is None else stop
     if launcher is None:
         launcher = SubprocessLauncher({**os.environ, "JAX_COMPILATION_CACHE_DIR":
-                                       os.environ.get("JAX_COMPILATION_CACHE_DIR", str(out.resolve() / "jax-cache"))})
+                                       os.environ.get("JAX_COMPILATION_CACHE_DIR", str(out.resolve() / "jax-cache"))},
+                                      stop=stop)
     outcome = GridOutcome()
     configs = plan.source.resolve().parent
     todo = []
@@ -164,7 +204,9 @@ def run_grid(plan: ExperimentPlan, out: pathlib.Path, *, jobs: int = 1, launcher
         task = bar.add_task(f"{plan.config.name}: runs", total=len(plan.runs), completed=len(outcome.skipped),
                             running="")
 
-        def one(spec: RunSpec) -> tuple[RunSpec, int]:
+        def one(spec: RunSpec) -> tuple[RunSpec, int | None]:
+            if stop.is_set():
+                return spec, None
             directory = run_directory(out, spec)
             with lock:
                 running.append(spec.key)
@@ -183,9 +225,11 @@ def run_grid(plan: ExperimentPlan, out: pathlib.Path, *, jobs: int = 1, launcher
                 directory = run_directory(out, spec)
                 if status == 0 and is_complete(spec, directory):
                     outcome.completed.append(spec)
+                elif stop.is_set():
+                    outcome.stopped.append(spec)
                 else:
                     outcome.failed.append((spec, status, directory / LOG_FILE))
                 bar.advance(task)
-        finally:  # on Ctrl-C: start nothing more, wait for the runs in flight (they get the signal too)
+        finally:  # stopped: start nothing more, wait for the runs in flight (the launcher stops them)
             pool.shutdown(wait=True, cancel_futures=True)
     return outcome

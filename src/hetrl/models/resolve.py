@@ -16,13 +16,24 @@ from hetrl.config import ConfigError, ModelSection
 __all__ = ["check_model_path", "resolve_model"]
 
 
+CHECKPOINT_FILES = ("config.json", "tokenizer.json")
+"""What a ``model.path`` directory must hold for a run to load it (weights: ``*.safetensors``)."""
+
+
 def check_model_path(section: ModelSection) -> None:
     """Raise :class:`ConfigError` (one line: the path and the fix) if ``section.path`` is set and
-    is not an HF checkpoint directory (no ``config.json`` there); nothing otherwise."""
-    if section.path is not None and not (pathlib.Path(section.path) / "config.json").is_file():
-        what = "does not exist" if not pathlib.Path(section.path).exists() else "holds no config.json"
-        raise ConfigError(f"model.path: {section.path} {what}; point model.path at an HF checkpoint directory "
-                          "(config.json + *.safetensors), or set model.tiny / model.warmstart instead")
+    is not an HF checkpoint directory holding :data:`CHECKPOINT_FILES`; nothing otherwise."""
+    if section.path is None:
+        return
+    path = pathlib.Path(section.path)
+    missing = [f for f in CHECKPOINT_FILES if not (path / f).is_file()]
+    if not path.is_dir():
+        raise ConfigError(f"model.path: {section.path} does not exist; point model.path at an HF checkpoint "
+                          "directory (config.json, tokenizer.json, *.safetensors), or set model.tiny / "
+                          "model.warmstart instead")
+    if missing:
+        raise ConfigError(f"model.path: {section.path} has no {' or '.join(missing)}: it is not an HF checkpoint "
+                          "directory")
 
 
 def resolve_model(section: ModelSection, default_cache: str | pathlib.Path, *, console: bool = True) -> pathlib.Path:

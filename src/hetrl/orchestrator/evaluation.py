@@ -12,7 +12,7 @@ count as unsolved with reward 0, so the denominator is always ``n``.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -20,20 +20,25 @@ from hetrl.core.schema import SamplingParams
 from hetrl.envs.base import Task
 from hetrl.orchestrator.episodes import EpisodeRunner
 from hetrl.samplers.base import Sampler
+from hetrl.stopping import Stopped
 
 __all__ = ["evaluate_tasks"]
 
 
 def evaluate_tasks(runner: EpisodeRunner, sampler: Sampler, tasks: Sequence[Task], sampling: SamplingParams,
-                   *, prefix: str = "eval", batch: int = 16, episodes: list[dict] | None = None) -> dict[str, float]:
+                   *, prefix: str = "eval", batch: int = 16, episodes: list[dict] | None = None,
+                   stop: Callable[[], bool] | None = None) -> dict[str, float]:
     """``{"success", "reward", "tasks", "success/tier<k>"...}`` of ``tasks`` (see the module
     docstring); first turns are generated ``batch`` tasks per call. ``episodes``, if given, gets
     one record per episode: ``task_id``, ``prompt`` and ``completion`` (decoded text; the
-    completion holds every turn, environment feedback included), ``reward``, ``success``."""
+    completion holds every turn, environment feedback included), ``reward``, ``success``. Raises
+    :class:`~hetrl.stopping.Stopped` between batches once ``stop()`` is true."""
     solved: list[bool] = []
     rewards: list[float] = []
     tiers: list[int | None] = []
     for start in range(0, len(tasks), batch):
+        if stop is not None and stop():
+            raise Stopped("an evaluation")
         chunk = tasks[start: start + batch]
         prompts = [runner.prompt_ids(t) for t in chunk]
         requests = [runner.requests(f"{prefix}-{start + i}", p, 1, sampling)[0] for i, p in enumerate(prompts)]

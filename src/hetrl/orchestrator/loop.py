@@ -97,26 +97,28 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from hetrl.config import ConfigError, RunConfig
+from hetrl.config import RunConfig
 from hetrl.core.admission import RolloutGate
 from hetrl.core.buffer import RolloutBuffer, RolloutGroup
 from hetrl.core.schema import RolloutBatch, SamplingParams, collate
 from hetrl.envs.base import ChatFormat, Task
-from hetrl.envs.coding import CodingEnv, CodingEnvConfig
+from hetrl.envs.coding import CodingEnv
+from hetrl.envs.options import EvalOptions, SyntheticEnvOptions
 from hetrl.envs.sandbox import Sandbox
 from hetrl.envs.tasks_synthetic import SuiteConfig, synthetic_suite
 from hetrl.models.config import ModelConfig
-from hetrl.models.resolve import check_model_path, resolve_model
+from hetrl.models.resolve import resolve_model
 from hetrl.orchestrator.episodes import EpisodeRunner
 from hetrl.orchestrator.evaluation import evaluate_tasks
+from hetrl.orchestrator.preflight import TRAINER_RANKS, check_runnable
 from hetrl.orchestrator.report import LiveDisplay, MetricsWriter, write_plots
 from hetrl.orchestrator.run_folder import RunFolder, write_atomic
 from hetrl.samplers.base import Generation, GenerationRequest, Sampler
 from hetrl.samplers.faults import ChaosLedger, ChaosSampler
 from hetrl.samplers.fleet import Fleet, JobResult, PoolConfig, Replica
 from hetrl.samplers.profiles import SamplerNumerics, sampler_numerics
+from hetrl.stopping import Stopped
 
 if TYPE_CHECKING:
     from hetrl.trainer_jax.config import JaxTrainerConfig
@@ -133,41 +135,9 @@ SamplerWrapper = Callable[[PoolConfig, int, Sampler], Sampler]
 SAMPLER_BATCH = 16
 """Rows of every embedded generate call (fewer are padded): one compiled batch shape."""
 
-
-class EvalOptions(BaseModel):
-    """Held-out evaluation: before the first step and every ``every`` steps (0: never; the last
-    step is always evaluated when enabled) on the first ``tasks`` held-out tasks (None: all),
-    ``greedy``, or with the rollouts' own sampling parameters (``async.sampling``: the policy as
-    it is sampled for training, truncation included) and ``samples`` episodes per task (the
-    success rate is then the mean over ``tasks x samples`` episodes: a lower-variance estimate).
-    Every evaluation restarts the evaluation sampler's random stream at the run's seed (common
-    random numbers): two evaluations differ by what the policy changed, not by fresh sampling
-    noise, so the difference between steps is measured with much less variance than either."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    every: int = Field(10, ge=0)
-    tasks: int | None = Field(16, ge=1)
-    greedy: bool = True
-    samples: int = Field(1, ge=1)
-
-    @model_validator(mode="after")
-    def _samples_need_sampling(self) -> "EvalOptions":
-        if self.greedy and self.samples > 1:
-            raise ValueError("samples > 1 needs greedy: false (greedy episodes are all the same)")
-        return self
-
-
-class SyntheticEnvOptions(BaseModel):
-    """``environment.options`` of ``name: synthetic``: ``suite`` (None: the warm start's suite
-    when the model is a warm start, else the default suite with the run's seed), ``eval`` and
-    ``coding`` (the :class:`CodingEnvConfig`, e.g. ``max_turns``)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    suite: SuiteConfig | None = None
-    eval: EvalOptions = EvalOptions()
-    coding: CodingEnvConfig = CodingEnvConfig()
+WORKER_JOIN_S = 120.0
+"""How long the end of a run (or a stop) waits for the rollout workers to leave the call they are in:
+a thread still inside JAX when the interpreter exits aborts the process."""
 
 
 class TrainerHandle(Protocol):
@@ -294,21 +264,13 @@ class AsyncOrchestrator(abc.ABC):
     """The backend's name (``config.backend``)."""
 
     def __init__(self, config: RunConfig, *, wrap_sampler: SamplerWrapper | None = None, console: bool | None = None):
-        if config.environment.name != "synthetic":
-            raise ConfigError(f"environment.name {config.environment.name!r}: the {self.backend} loop runs 'synthetic' only for now")
-        try:
-            self.options = SyntheticEnvOptions.model_validate(config.environment.options)
-        except Exception as err:
-            raise ConfigError(f"environment.options: {err}") from None
-        try:
-            self.trainer_config = config.trainer_config(world_size=1)
-        except ConfigError as err:
-            raise ConfigError(f"{err} (the loop runs the trainer as one rank)") from None
+        check_runnable(config)
+        self.options: SyntheticEnvOptions = config.environment.options
+        self.trainer_config = config.trainer_config(world_size=TRAINER_RANKS)
         self.config = config
         self.wrap_sampler = wrap_sampler
         self.console = config.logging.console if console is None else console
         self.folder = RunFolder(pathlib.Path(config.output_dir))
-        check_model_path(config.model)
         self.folder.check_start(config)
         self.output_dir = self.folder.root
         self.metrics_path = self.folder.metrics
@@ -319,8 +281,10 @@ class AsyncOrchestrator(abc.ABC):
         self._stop_requested = threading.Event()
 
     def request_stop(self) -> None:
-        """Finish the step in progress, checkpoint and return from :meth:`run` (thread-safe; e.g.
-        on SIGTERM, when a preemptible machine is reclaimed)."""
+        """Finish the step in progress (an evaluation stops between its batches), checkpoint and
+        return from :meth:`run`; during the set-up, :meth:`run` raises
+        :class:`~hetrl.stopping.Stopped` at its next stage instead (thread-safe; e.g. on SIGTERM,
+        when a preemptible machine is reclaimed)."""
         self._stop_requested.set()
 
     # ================================================================== backend hooks
@@ -345,6 +309,7 @@ class AsyncOrchestrator(abc.ABC):
         cfg = self.config
         self.folder.write_config(cfg)
         self.model_dir = resolve_model(cfg.model, self.folder.models, console=self.console)
+        self._check_stop()
         self.model_config = ModelConfig.load(self.model_dir)
         tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
         self.chat = ChatFormat.from_tokenizer(tokenizer)
@@ -366,7 +331,9 @@ class AsyncOrchestrator(abc.ABC):
             update={"directory": str(self.checkpoint_dir.resolve())})})
         self.needs_old_logprobs = tcfg.correction.ppo_clip is not None
         self.trainer = self._create_trainer(tcfg)
+        self._check_stop()
         self.fleet = Fleet.from_config(cfg.fleet, self._make_sampler)
+        self._check_stop()
         self.pool_names = tuple(self.fleet.pools)
         self._eval_sampler = (self._create_sampler(sampler_numerics("fp32"), pool="eval", seed=cfg.seed)
                               if self.options.eval.every else None)
@@ -388,6 +355,13 @@ class AsyncOrchestrator(abc.ABC):
         self._published = self.trainer.version
         if self.trainer.version > 0:
             self.fleet.publish_weights(self.trainer.version, self.trainer.export_hf_weights())
+        self._check_stop()
+
+    def _check_stop(self) -> None:
+        """A safe point of the set-up: raise :class:`~hetrl.stopping.Stopped` if a stop was requested
+        (nothing trained yet, so nothing to checkpoint)."""
+        if self._stop_requested.is_set():
+            raise Stopped("the set-up")
 
     def _make_sampler(self, pool: PoolConfig, numerics: SamplerNumerics, index: int) -> Sampler:
         """Replica ``index`` of ``pool``: an embedded engine (placed by the backend), or an HTTP
@@ -619,8 +593,12 @@ class AsyncOrchestrator(abc.ABC):
         e = self.options.eval
         sampling = SamplingParams(temperature=1.0, top_k=1) if e.greedy else self.config.async_.sampling
         episodes: list[dict[str, Any]] = []
-        scores = evaluate_tasks(self.runner, self._eval_sampler, list(self.eval_tasks) * e.samples, sampling,
-                                prefix=f"eval{self.trainer.version}", batch=SAMPLER_BATCH, episodes=episodes)
+        try:
+            scores = evaluate_tasks(self.runner, self._eval_sampler, list(self.eval_tasks) * e.samples, sampling,
+                                    prefix=f"eval{self.trainer.version}", batch=SAMPLER_BATCH, episodes=episodes,
+                                    stop=self._stop_requested.is_set)
+        except Stopped:  # no score: the run stops at once (checkpointed by the trainer loop)
+            return {}
         self.folder.write_generations(self.trainer.version, episodes)
         return {f"eval/{k}": v for k, v in scores.items()}
 
@@ -669,8 +647,10 @@ class AsyncOrchestrator(abc.ABC):
         history: list[dict[str, Any]] = list(self._resumed_history)
         writer = MetricsWriter(self.metrics_path, self.tensorboard_dir)
         if eval_every and self.trainer.version == 0:  # the starting policy's score, to compare the run's with
-            history.append({"step": 0, **self._evaluate(self.trainer.export_hf_weights())})
-            writer.write(history[-1])
+            scores = self._evaluate(self.trainer.export_hf_weights())  # {} when stopped during it
+            if scores:
+                history.append({"step": 0, **scores})
+                writer.write(history[-1])
         self._threads = [threading.Thread(target=self._worker, args=(r,), name=f"worker-{r.key}", daemon=True)
                          for r in self.fleet.replicas]
         self._restarting: set[str] = set()
@@ -756,8 +736,9 @@ class AsyncOrchestrator(abc.ABC):
             self._stop.set()
             self.fleet.close()
             self.buffer.close()
+            deadline = time.monotonic() + WORKER_JOIN_S  # a worker may be inside a generate call (or its compilation)
             for t in list(self._threads):
-                t.join(timeout=30)
+                t.join(timeout=max(0.0, deadline - time.monotonic()))
             writer.close()
         if not self.trainer.checkpoint_steps() or self.trainer.checkpoint_steps()[-1] != self.trainer.version:
             self.trainer.save(force=True)
@@ -780,6 +761,7 @@ class AsyncOrchestrator(abc.ABC):
             "continuation_failures": self._counts["continuation_failures"],
             "quarantined": self.gate.quarantined(), "replica_restarts": int(fm["fleet/restarts"]),
             "groups_pending": len(self.buffer), "groups_in_flight": len(self._unfinished),
+            "steps": cfg.steps, "stopped": self.trainer.version < cfg.steps,
             **({k.replace("chaos/", "chaos_"): int(v) for k, v in self.chaos_ledger.metrics().items()}
                if cfg.fleet.chaos is not None else {}),
         }

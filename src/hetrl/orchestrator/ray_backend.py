@@ -43,6 +43,7 @@ from hetrl.core.schema import RolloutBatch, SamplerInfo
 from hetrl.orchestrator.loop import AsyncOrchestrator, TrainerHandle, build_embedded_sampler, build_trainer
 from hetrl.samplers.base import Generation, GenerationRequest, Sampler, SamplerHealth
 from hetrl.samplers.profiles import SamplerNumerics
+from hetrl.stopping import reclaim_signals
 
 if TYPE_CHECKING:
     from hetrl.trainer_jax.config import JaxTrainerConfig
@@ -165,6 +166,7 @@ class RayOrchestrator(AsyncOrchestrator):
         settings = self.config.ray
         if settings.address is not None:
             ray.init(address=settings.address)
+            reclaim_signals()  # ray.init installs its own SIGTERM handler (exit 1 at once)
             return
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private instance on this machine only
         temp_dir = settings.temp_dir
@@ -172,6 +174,7 @@ class RayOrchestrator(AsyncOrchestrator):
             temp_dir = self._temp_dir = tempfile.mkdtemp(prefix="hetrl-ray-", dir="/tmp")
         ray.init(num_cpus=settings.num_cpus, _temp_dir=str(pathlib.Path(temp_dir).resolve()),
                  include_dashboard=False)
+        reclaim_signals()
 
     def _stop_backend(self) -> None:
         for actor in self._actors:

@@ -55,6 +55,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from hetrl.core.schema import SamplerInfo, SamplingSupport
+from hetrl.errors import UserError
 from hetrl.models.config import ModelConfig
 from hetrl.models.hf_io import check_state_dict, verify_manifest
 from hetrl.samplers.base import Generation, GenerationRequest, SamplerHealth, check_request
@@ -63,7 +64,7 @@ from hetrl.samplers.head_support import HeadSupportError, check_head_params, sup
 from hetrl.samplers.profiles import SamplerNumerics
 from hetrl.samplers.weight_export import export_weights, prune_exports
 
-__all__ = ["ServerError", "ServerSampler"]
+__all__ = ["ServerError", "ServerUnreachable", "ServerSampler"]
 
 log = logging.getLogger(__name__)
 KEEP_EXPORTS = 4
@@ -73,6 +74,11 @@ _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 class ServerError(RuntimeError):
     """A server endpoint failed (unreachable, timed out, 5xx, or an answer hetrl cannot use)."""
+
+
+class ServerUnreachable(ServerError, UserError):
+    """No endpoint of a replica answers at all when it is first contacted (no server running
+    there, or a wrong address): the user's to fix, reported as one line."""
 
 
 class _BadRequest(ValueError):
@@ -115,13 +121,20 @@ class ServerSampler:
         self._source = self.model_dir  # the directory of the current version
         self._in_flight = 0
         self._tokens = 0
-        if sync_base and self.options.resolved_weight_sync(pool.engine) == "disk":
-            verify_manifest(self.model_dir)
-            self._sync(self.endpoints)
-        else:  # the servers were started on the base checkpoint
-            for e in self.endpoints:
-                e.version = 0
-        self._info = numerics.sampler_info(pool.name, pool.engine, self._run(self._engine_version()))
+        try:
+            if sync_base and self.options.resolved_weight_sync(pool.engine) == "disk":
+                verify_manifest(self.model_dir)
+                self._sync(self.endpoints)
+            else:  # the servers were started on the base checkpoint
+                for e in self.endpoints:
+                    e.version = 0
+            self._info = numerics.sampler_info(pool.name, pool.engine, self._run(self._engine_version()))
+        except ServerError:
+            if not any(self._run(self._probe_all())):
+                raise ServerUnreachable(
+                    f"pool {pool.name!r}: no {pool.engine} server answers at {', '.join(e.url for e in self.endpoints)}; "
+                    f"start the server there, or fix fleet.pools[{pool.name}].endpoints") from None
+            raise
 
     # ------------------------------------------------------------------ Sampler protocol
     @property

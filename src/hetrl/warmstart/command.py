@@ -3,13 +3,15 @@
 Overrides are dotted keys of :class:`~hetrl.warmstart.config.WarmstartConfig` (e.g.
 ``--set training.steps=400 --set model.hidden_size=96``), values parsed as YAML. Without
 ``--out`` the checkpoint goes to ``runs/models/warmstart-<key>``, where run configs that name
-the same settings under ``model.warmstart`` find it.
+the same settings under ``model.warmstart`` find it. SIGINT / SIGTERM stop it at the next
+optimizer step, saving nothing (exit status ``128 + signal``).
 """
 
 from __future__ import annotations
 
 import argparse
 import pathlib
+import signal
 import sys
 
 __all__ = ["add_arguments", "run", "default_directory"]
@@ -31,6 +33,7 @@ def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from hetrl.config import ConfigError, apply_override
+    from hetrl.stopping import Stopped, signal_handlers
     from hetrl.warmstart.config import WarmstartConfig
     from hetrl.warmstart.train import run_warmstart
 
@@ -43,7 +46,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"hetrl warmstart: {err}", file=sys.stderr)
         return 1
     out = pathlib.Path(args.out) if args.out else default_directory(config.key())
-    result = run_warmstart(config, out, console=not args.no_progress)
+    with signal_handlers("hetrl warmstart") as stop:
+        try:
+            result = run_warmstart(config, out, console=not args.no_progress)
+        except Stopped as err:
+            print(f"hetrl warmstart: stopped by {signal.Signals(stop.signum or signal.SIGTERM).name} during "
+                  f"{err.phase}: nothing saved; run the same command again to start over", file=sys.stderr)
+            return stop.exit_status
     wall = result["wall_s"]
     print(f"warm start {result['key']}: {result['parameters']:,} parameters, {result['train_transcripts']} transcripts, "
           f"{wall['total']:.0f} s (train {wall['train']:.0f} s) -> {out}")

@@ -28,7 +28,7 @@ import pathlib
 import shutil
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -38,6 +38,7 @@ from hetrl.envs.coding import CodingEnv, CodingEnvConfig, FunctionTask
 from hetrl.envs.tasks_synthetic import suite_programs, suite_task, synthetic_suite, train_draw
 from hetrl.models.config import ModelConfig
 from hetrl.models.tiny import SPECIAL_TOKENS, TINY_QWEN3, save_checkpoint, train_tokenizer
+from hetrl.stopping import current
 from hetrl.warmstart.config import WarmstartConfig
 
 __all__ = ["RESULT_FILE", "model_config", "training_tasks", "run_warmstart", "evaluate_checkpoint"]
@@ -66,7 +67,10 @@ def training_tasks(c: WarmstartConfig) -> list[FunctionTask]:
 
 def run_warmstart(c: WarmstartConfig, out_dir: str | pathlib.Path, *, console: bool = True) -> dict[str, Any]:
     """Run the pipeline of the module docstring into ``out_dir`` (written atomically: built in a
-    sibling temporary directory, then renamed). Returns the ``warmstart.json`` content."""
+    sibling temporary directory, then renamed). Returns the ``warmstart.json`` content. A stop
+    requested on :func:`hetrl.stopping.current` (SIGINT / SIGTERM) raises
+    :class:`~hetrl.stopping.Stopped` at the next optimizer step or evaluation batch, leaving
+    ``out_dir`` as it was."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -77,6 +81,7 @@ def run_warmstart(c: WarmstartConfig, out_dir: str | pathlib.Path, *, console: b
     from hetrl.trainer_jax.sft import pack_examples, make_sft_step
 
     out_dir = pathlib.Path(out_dir)
+    stop = current()
     started = time.perf_counter()
     env = CodingEnv(CodingEnvConfig(max_turns=c.eval.max_turns))
     tasks = training_tasks(c)
@@ -108,6 +113,7 @@ def run_warmstart(c: WarmstartConfig, out_dir: str | pathlib.Path, *, console: b
     with Progress(*columns, disable=not console) as progress:
         bar = progress.add_task("", total=t.steps)
         for i in range(t.steps):
+            stop.check("the warm start")
             rows = rng.integers(0, data["input_ids"].shape[0], t.batch_size)
             params, opt_state, metrics = step(params, rest, opt_state, {k: jnp.asarray(v[rows]) for k, v in data.items()})
             if i % 25 == 0 or i == t.steps - 1:
@@ -120,8 +126,12 @@ def run_warmstart(c: WarmstartConfig, out_dir: str | pathlib.Path, *, console: b
     state = to_hf_state_dict(nnx.merge(graphdef, params, rest))
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
-    save_checkpoint(staging, config, state, tokenizer)
-    scores = evaluate_checkpoint(staging, c)
+    try:
+        save_checkpoint(staging, config, state, tokenizer)
+        scores = evaluate_checkpoint(staging, c, stop=stop.is_set)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     result = {
         "key": c.key(), "config": c.model_dump(mode="json"), "train_transcripts": len(fits),
         "parameters": int(sum(np.size(v) for v in state.values())), "curve": curve, "eval": scores,
@@ -136,9 +146,11 @@ def run_warmstart(c: WarmstartConfig, out_dir: str | pathlib.Path, *, console: b
     return result
 
 
-def evaluate_checkpoint(directory: str | pathlib.Path, c: WarmstartConfig) -> dict[str, dict[str, float]]:
+def evaluate_checkpoint(directory: str | pathlib.Path, c: WarmstartConfig, *,
+                        stop: Callable[[], bool] | None = None) -> dict[str, dict[str, float]]:
     """Held-out scores of the checkpoint at ``directory`` on ``c``'s suite: ``{"sampled":
-    ... (over ``c.eval.samples`` episodes per task), "greedy": ...}`` (see :func:`hetrl.orchestrator.evaluation.evaluate_tasks`)."""
+    ... (over ``c.eval.samples`` episodes per task), "greedy": ...}`` (see :func:`hetrl.orchestrator.evaluation.evaluate_tasks`;
+    ``stop``: raise :class:`~hetrl.stopping.Stopped` between batches once it is true)."""
     from tokenizers import Tokenizer
 
     from hetrl.core.schema import SamplingParams
@@ -161,6 +173,6 @@ def evaluate_checkpoint(directory: str | pathlib.Path, c: WarmstartConfig) -> di
                                               max_batch=32, batch_buckets=(32,))
     return {
         "sampled": evaluate_tasks(runner, sampler, list(heldout) * c.eval.samples,
-                                  SamplingParams(temperature=c.eval.temperature)),
-        "greedy": evaluate_tasks(runner, sampler, heldout, SamplingParams(temperature=1.0, top_k=1)),
+                                  SamplingParams(temperature=c.eval.temperature), stop=stop),
+        "greedy": evaluate_tasks(runner, sampler, heldout, SamplingParams(temperature=1.0, top_k=1), stop=stop),
     }

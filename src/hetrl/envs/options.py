@@ -1,0 +1,48 @@
+"""The options of the environments a run config names (``environment.options``), validated when
+the config is loaded (:class:`hetrl.config.RunConfig`), so a typo there fails naming the key
+before anything starts."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from hetrl.envs.coding import CodingEnvConfig
+from hetrl.envs.tasks_synthetic import SuiteConfig
+
+__all__ = ["EvalOptions", "SyntheticEnvOptions"]
+
+
+class EvalOptions(BaseModel):
+    """Held-out evaluation: before the first step and every ``every`` steps (0: never; the last
+    step is always evaluated when enabled) on the first ``tasks`` held-out tasks (None: all),
+    ``greedy``, or with the rollouts' own sampling parameters (``async.sampling``: the policy as
+    it is sampled for training, truncation included) and ``samples`` episodes per task (the
+    success rate is then the mean over ``tasks x samples`` episodes: a lower-variance estimate).
+    Every evaluation restarts the evaluation sampler's random stream at the run's seed (common
+    random numbers): two evaluations differ by what the policy changed, not by fresh sampling
+    noise, so the difference between steps is measured with much less variance than either."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    every: int = Field(10, ge=0)
+    tasks: int | None = Field(16, ge=1)
+    greedy: bool = True
+    samples: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _samples_need_sampling(self) -> "EvalOptions":
+        if self.greedy and self.samples > 1:
+            raise ValueError("samples > 1 needs greedy: false (greedy episodes are all the same)")
+        return self
+
+
+class SyntheticEnvOptions(BaseModel):
+    """``environment.options`` of ``name: synthetic``: ``suite`` (None: the warm start's suite
+    when the model is a warm start, else the default suite with the run's seed), ``eval`` and
+    ``coding`` (the :class:`CodingEnvConfig`, e.g. ``max_turns``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    suite: SuiteConfig | None = None
+    eval: EvalOptions = EvalOptions()
+    coding: CodingEnvConfig = CodingEnvConfig()

@@ -1,0 +1,81 @@
+"""What the loop would refuse about a valid config, checked before anything starts (and by
+``hetrl train --dry-run``), each problem with its fix.
+
+A config can be valid (every key typed and in range, :mod:`hetrl.config`) and still not runnable
+by this loop: an environment it does not run, a trainer laid out over more ranks or devices than
+the loop gives it (it runs the trainer as :data:`TRAINER_RANKS` rank, in one process), a model
+path that is not there, outputs on an object store. :func:`runnable_problems` lists them;
+:func:`check_runnable` raises one :class:`~hetrl.config.ConfigError` naming them all.
+"""
+
+from __future__ import annotations
+
+import math
+
+from hetrl.config import ConfigError, RunConfig
+from hetrl.models.resolve import check_model_path
+
+__all__ = ["TRAINER_RANKS", "runnable_problems", "check_runnable"]
+
+TRAINER_RANKS = 1
+"""Ranks the loop runs the trainer on (multi-rank training has not landed)."""
+
+def _trainer_problems(config: RunConfig) -> list[str]:
+    t = config.trainer
+    if t.kind == "megatron":
+        ranks = t.tensor_parallel * t.pipeline_parallel * max(t.data_parallel, 1)
+        if ranks != TRAINER_RANKS:
+            return [f"trainer: tensor_parallel {t.tensor_parallel} x pipeline_parallel {t.pipeline_parallel} x "
+                    f"data_parallel {t.data_parallel} needs {ranks} trainer ranks and the loop runs the trainer as "
+                    f"{TRAINER_RANKS} (multi-rank training has not landed); set trainer.tensor_parallel and "
+                    f"trainer.pipeline_parallel to 1 (data_parallel to 1 or -1)"]
+        return []
+    problems = []
+    d = t.distributed
+    if d.auto or d.coordinator_address or (d.num_processes or 1) > 1:
+        problems.append("trainer.distributed: multi-process start-up needs multi-rank training, which the loop does "
+                        "not run yet; remove trainer.distributed")
+    fixed = math.prod(s for s in (t.mesh.data, t.mesh.fsdp, t.mesh.tensor) if s != -1)
+    if fixed > 1:
+        import jax
+
+        devices = jax.local_device_count()
+        try:
+            t.mesh.resolve(devices)
+        except ValueError:
+            problems.append(f"trainer.mesh: data {t.mesh.data} x fsdp {t.mesh.fsdp} x tensor {t.mesh.tensor} needs "
+                            f"{'a multiple of ' if -1 in (t.mesh.data, t.mesh.fsdp, t.mesh.tensor) else ''}{fixed} "
+                            f"devices and this machine has {devices} ({jax.default_backend()}); set the mesh sizes "
+                            f"to fit, e.g. trainer.mesh: {{data: 1, fsdp: -1, tensor: 1}}")
+    return problems
+
+
+def _path_problems(config: RunConfig) -> list[str]:
+    problems = []
+    try:
+        check_model_path(config.model)
+    except ConfigError as err:
+        problems.append(str(err))
+    if "://" in config.output_dir:
+        problems.append(f"output_dir: {config.output_dir!r} is a URL; the loop writes to a local (or mounted) "
+                        f"directory, give a path")
+    return problems
+
+
+def runnable_problems(config: RunConfig) -> list[str]:
+    """Every reason the loop would refuse ``config`` (empty: it would start), each with its fix."""
+    problems = []
+    if config.environment.name != "synthetic":
+        problems.append(f"environment.name: the loop runs 'synthetic' only for now, not "
+                        f"{config.environment.name!r}; set environment: {{name: synthetic}}")
+    return problems + _trainer_problems(config) + _path_problems(config)
+
+
+def check_runnable(config: RunConfig, source: str = "the config") -> None:
+    """Raise :class:`ConfigError` naming every problem of :func:`runnable_problems` (``source``:
+    the config file, for the message)."""
+    problems = runnable_problems(config)
+    if len(problems) == 1:
+        raise ConfigError(f"{source}: cannot run: {problems[0]}")
+    if problems:
+        raise ConfigError(f"{source}: cannot run:\n  " + "\n  ".join(problems))
