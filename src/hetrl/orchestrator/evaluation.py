@@ -12,7 +12,7 @@ count as unsolved with reward 0, so the denominator is always ``n``.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -25,12 +25,16 @@ __all__ = ["evaluate_tasks"]
 
 
 def evaluate_tasks(runner: EpisodeRunner, sampler: Sampler, tasks: Sequence[Task], sampling: SamplingParams,
-                   *, prefix: str = "eval", batch: int = 16) -> dict[str, float]:
+                   *, prefix: str = "eval", batch: int = 16,
+                   progress: Callable[[int, int], None] | None = None) -> dict[str, float]:
     """``{"success", "reward", "tasks", "success/tier<k>"...}`` of ``tasks`` (see the module
-    docstring); first turns are generated ``batch`` tasks per call."""
+    docstring); first turns are generated ``batch`` tasks per call. ``progress(done, total)`` is
+    called before the first batch and after each (episodes finished of ``len(tasks)``)."""
     solved: list[bool] = []
     rewards: list[float] = []
     tiers: list[int | None] = []
+    if progress is not None:
+        progress(0, len(tasks))
     for start in range(0, len(tasks), batch):
         chunk = tasks[start: start + batch]
         prompts = [runner.prompt_ids(t) for t in chunk]
@@ -40,6 +44,8 @@ def evaluate_tasks(runner: EpisodeRunner, sampler: Sampler, tasks: Sequence[Task
             solved.append(bool(out.solved and out.solved[0]))
             rewards.append(float(out.rollouts[0].reward) if out.rollouts else 0.0)
             tiers.append(getattr(task, "tier", None))
+        if progress is not None:
+            progress(len(solved), len(tasks))
     n = max(len(tasks), 1)
     scores = {"success": sum(solved) / n, "reward": sum(rewards) / n, "tasks": float(len(tasks))}
     for tier in sorted({t for t in tiers if t is not None}):

@@ -104,7 +104,8 @@ from hetrl.envs.tasks_synthetic import SuiteConfig, synthetic_suite
 from hetrl.models.config import ModelConfig
 from hetrl.orchestrator.episodes import EpisodeRunner
 from hetrl.orchestrator.evaluation import evaluate_tasks
-from hetrl.orchestrator.report import LiveDisplay, MetricsWriter, write_plots
+from hetrl.orchestrator.monitors import build_monitors
+from hetrl.orchestrator.report import RunConsole, write_plots
 from hetrl.samplers.base import Generation, GenerationRequest, Sampler
 from hetrl.samplers.faults import ChaosLedger, ChaosSampler
 from hetrl.samplers.fleet import Fleet, JobResult, PoolConfig, Replica
@@ -299,6 +300,7 @@ class AsyncOrchestrator(abc.ABC):
         self.config = config
         self.wrap_sampler = wrap_sampler
         self.console = config.logging.console if console is None else console
+        self.display = RunConsole(config.steps, self.console)
         self.output_dir = pathlib.Path(config.output_dir)
         self.metrics_path = pathlib.Path(config.logging.jsonl_path or self.output_dir / "metrics.jsonl")
         self.tensorboard_dir = pathlib.Path(config.logging.tensorboard_dir or self.output_dir / "tensorboard")
@@ -333,7 +335,10 @@ class AsyncOrchestrator(abc.ABC):
 
         cfg = self.config
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        self.model_dir = cfg.model.materialize(self.output_dir / "model")
+        if cfg.model.warmstart is not None:
+            self.display.phase("warm start")
+        self.model_dir = cfg.model.materialize(self.output_dir / "model", console=self.console)
+        self.display.phase("set-up")
         self.model_config = ModelConfig.load(self.model_dir)
         tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
         self.chat = ChatFormat.from_tokenizer(tokenizer)
@@ -608,19 +613,23 @@ class AsyncOrchestrator(abc.ABC):
         e = self.options.eval
         sampling = SamplingParams(temperature=1.0, top_k=1) if e.greedy else self.config.async_.sampling
         scores = evaluate_tasks(self.runner, self._eval_sampler, list(self.eval_tasks) * e.samples, sampling,
-                                prefix=f"eval{self.trainer.version}", batch=SAMPLER_BATCH)
+                                prefix=f"eval{self.trainer.version}", batch=SAMPLER_BATCH,
+                                progress=lambda k, n: self.display.progress("evaluation", k, n))
+        self.display.phase("training")
         return {f"eval/{k}": v for k, v in scores.items()}
 
     # ================================================================== the trainer loop
     def run(self) -> RunResult:
         """Train for ``config.steps`` steps (from the resumed step, if any); returns the record."""
         t_start = time.monotonic()
+        self.display.phase("set-up")
         self._start_backend()
         try:
             self._setup()
             return self._train(t_start)
         finally:
             self._stop_backend()
+            self.display.close()
 
     def _train(self, t_start: float) -> RunResult:
         cfg = self.config
@@ -654,10 +663,10 @@ class AsyncOrchestrator(abc.ABC):
         eval_every = self.options.eval.every
         trained: list[tuple[str, str, int, int]] = []
         history: list[dict[str, Any]] = list(self._resumed_history)
-        writer = MetricsWriter(self.metrics_path, self.tensorboard_dir)
+        writer = build_monitors(cfg, self.metrics_path, self.tensorboard_dir)
         if eval_every and self.trainer.version == 0:  # the starting policy's score, to compare the run's with
             history.append({"step": 0, **self._evaluate(self.trainer.export_hf_weights())})
-            writer.write(history[-1])
+            writer.log(history[-1])
         self._threads = [threading.Thread(target=self._worker, args=(r,), name=f"worker-{r.key}", daemon=True)
                          for r in self.fleet.replicas]
         self._restarting: set[str] = set()
@@ -672,7 +681,8 @@ class AsyncOrchestrator(abc.ABC):
         max_stale_seen = -1
         last_time, last_gen_tokens = time.monotonic(), 0.0
         try:
-            with LiveDisplay(cfg.steps, self.console) as display:
+            self.display.start_training(self.trainer.version)
+            with self.display as display:
                 while self.trainer.version < cfg.steps and not self._stop_requested.is_set():
                     wait_start = time.monotonic()
                     groups: list[RolloutGroup] = []
@@ -736,8 +746,8 @@ class AsyncOrchestrator(abc.ABC):
                         self._snapshot_state()
                     history.append(record)
                     if self.trainer.version % cfg.logging.every == 0 or self.trainer.version == cfg.steps:
-                        writer.write(record)
-                    display.update(record, self._pool_rows(fm))
+                        writer.log(record)
+                    display.step(record, self._pool_rows(fm))
         finally:
             self._stop.set()
             self.fleet.close()
