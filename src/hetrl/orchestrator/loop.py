@@ -48,7 +48,8 @@ elsewhere; a group whose *later* turns fail, or that is retracted, is re-submitt
 group id.
 
 **Outputs** under ``output_dir``: ``metrics.jsonl`` (or ``logging.jsonl_path``) and TensorBoard
-event files in ``logging.tensorboard_dir`` (default ``tensorboard/``), trainer checkpoints every
+event files in ``logging.tensorboard_dir`` (default ``tensorboard/``), a W&B run with
+``logging.wandb`` (:mod:`hetrl.orchestrator.monitors`), trainer checkpoints every
 ``checkpointing.every`` steps and at the end, each with the buffer's snapshot
 ``buffer-<step>.json`` and the loop's state ``loop-<step>.json`` beside it; ``plots/*.png``;
 ``summary.json``.
