@@ -105,3 +105,12 @@ def test_wandb_offline_writes_run_files_with_config(tmp_path, monkeypatch):
 def test_wandb_section_is_typed(tmp_path):
     with pytest.raises(ConfigError, match="logging.wandb"):
         _config(tmp_path, "logging.wandb={projekt: x}")
+
+
+def test_wandb_missing_is_one_clear_config_error(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"wandb is not installed: pip install 'hetrl\[wandb\]'"):
+        _config(tmp_path, "logging.wandb={project: x}")

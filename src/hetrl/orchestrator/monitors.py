@@ -11,6 +11,7 @@ at that step (TensorBoard and W&B); the JSONL keeps the whole record.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import numbers
 import os
@@ -92,6 +93,7 @@ class TensorBoardMonitor:
     def __init__(self, directory: str | os.PathLike):
         from tensorboardX import SummaryWriter
 
+        logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)  # a NaN (an empty mean) is a value here
         self.directory = pathlib.Path(directory)
         self._writer = SummaryWriter(logdir=str(self.directory))
 
