@@ -105,7 +105,7 @@ class RunConsole:
 
     # ------------------------------------------------------------------ what the loop calls
     def phase(self, name: str) -> None:
-        """Enter phase ``name``; ``"training"`` also starts the ETA's clock (once)."""
+        """Enter phase ``name`` (a repeated call is a no-op; training starts with :meth:`start_training`)."""
         with self._lock:
             if name == self._phase and not self._of:
                 return
