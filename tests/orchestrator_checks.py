@@ -5,7 +5,7 @@ import json
 
 import numpy as np
 
-from hetrl.orchestrator.tb_events import read_scalars
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 
 def check_outputs(result, steps: int, eval_steps: list[int]) -> None:
@@ -19,7 +19,9 @@ def check_outputs(result, steps: int, eval_steps: list[int]) -> None:
     assert all("mismatch/k3" in r and "reward/mean" in r and "staleness/max" in r for r in lines if r["step"])
     assert [r["step"] for r in lines if "eval/success" in r] == eval_steps
     (events,) = result.tensorboard_dir.glob("events.out.tfevents.*")
-    scalars = read_scalars(events)
+    reader = EventAccumulator(str(events), size_guidance={"scalars": 0})  # TensorBoard's own reader, all events
+    reader.Reload()
+    scalars = {tag: [(e.step, e.value) for e in reader.Scalars(tag)] for tag in reader.Tags()["scalars"]}
     for key in ("reward/mean", "mismatch/k3", "staleness/max", "eval/success"):
         # the JSONL writes a non-finite value as null, TensorBoard keeps it
         expected = [(r["step"], float("nan") if r[key] is None else r[key]) for r in lines if key in r]

@@ -247,13 +247,34 @@ EnvironmentSection = Annotated[Union[Annotated[SyntheticEnvironmentSection, Tag(
 config is loaded (and by ``--dry-run``)."""
 
 
+class WandbSection(_Strict):
+    """A Weights & Biases run of ``project`` (``entity``; ``name``, None: the run's name;
+    ``tags``) logging every metric record and the resolved config: online when ``WANDB_API_KEY``
+    is set, else offline under ``<output_dir>/wandb`` (the optional ``wandb`` extra)."""
+
+    project: str = Field("hetrl", min_length=1)
+    entity: str | None = None
+    name: str | None = None
+    tags: tuple[str, ...] = ()
+
+    @model_validator(mode="after")
+    def _installed(self) -> "WandbSection":
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise ValueError("wandb is not installed: pip install 'hetrl[wandb]', or remove logging.wandb")
+        return self
+
+
 class LoggingSection(_Strict):
     """Metrics every ``every`` steps to the console and to the run folder (``metrics.jsonl``
-    and TensorBoard event files under ``tensorboard/``)."""
+    and TensorBoard event files under ``tensorboard/``); with ``wandb`` set, also to a W&B run
+    (:class:`WandbSection`)."""
 
     every: int = Field(1, ge=1)
     console: bool = True
     level: Literal["debug", "info", "warning", "error"] = "info"
+    wandb: WandbSection | None = None
 
 
 class RaySection(_Strict):

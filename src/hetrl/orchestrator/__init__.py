@@ -5,8 +5,8 @@ staleness-bounded buffer, the trainer steps as soon as a batch is ready and publ
 runs samplers and trainer in one process (threads), :mod:`hetrl.orchestrator.ray_backend` in Ray
 actors (the route to many machines); :func:`build_orchestrator` picks one from
 ``config.backend``. :mod:`hetrl.orchestrator.episodes` turns tasks and generations into validated
-rollouts; :mod:`hetrl.orchestrator.report` writes metrics (JSON lines and TensorBoard events via
-:mod:`hetrl.orchestrator.tb_events`), the live display and plots.
+rollouts; :mod:`hetrl.orchestrator.monitors` writes metric records (JSON lines, TensorBoard
+events, optionally W&B) and :mod:`hetrl.orchestrator.report` the console, plots and summary.
 """
 
 from __future__ import annotations

@@ -27,15 +27,19 @@ __all__ = ["evaluate_tasks"]
 
 def evaluate_tasks(runner: EpisodeRunner, sampler: Sampler, tasks: Sequence[Task], sampling: SamplingParams,
                    *, prefix: str = "eval", batch: int = 16, episodes: list[dict] | None = None,
-                   stop: Callable[[], bool] | None = None) -> dict[str, float]:
+                   stop: Callable[[], bool] | None = None,
+                   progress: Callable[[int, int], None] | None = None) -> dict[str, float]:
     """``{"success", "reward", "tasks", "success/tier<k>"...}`` of ``tasks`` (see the module
     docstring); first turns are generated ``batch`` tasks per call. ``episodes``, if given, gets
     one record per episode: ``task_id``, ``prompt`` and ``completion`` (decoded text; the
     completion holds every turn, environment feedback included), ``reward``, ``success``. Raises
-    :class:`~hetrl.stopping.Stopped` between batches once ``stop()`` is true."""
+    :class:`~hetrl.stopping.Stopped` between batches once ``stop()`` is true. ``progress(done,
+    total)`` is called before the first batch and after each (episodes finished of ``len(tasks)``)."""
     solved: list[bool] = []
     rewards: list[float] = []
     tiers: list[int | None] = []
+    if progress is not None:
+        progress(0, len(tasks))
     for start in range(0, len(tasks), batch):
         if stop is not None and stop():
             raise Stopped("an evaluation")
@@ -51,6 +55,8 @@ def evaluate_tasks(runner: EpisodeRunner, sampler: Sampler, tasks: Sequence[Task
                 response = out.rollouts[0].response_ids.tolist() if out.rollouts else first.token_ids.tolist()
                 episodes.append({"task_id": task.task_id, "prompt": runner.decode(prompt.tolist()),
                                  "completion": runner.decode(response), "reward": rewards[-1], "success": solved[-1]})
+        if progress is not None:
+            progress(len(solved), len(tasks))
     n = max(len(tasks), 1)
     scores = {"success": sum(solved) / n, "reward": sum(rewards) / n, "tasks": float(len(tasks))}
     for tier in sorted({t for t in tiers if t is not None}):

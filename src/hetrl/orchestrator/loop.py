@@ -53,7 +53,8 @@ layout, and the refusal of a new run in a folder that holds one): ``config.yaml`
 ``checkpoints/`` every ``checkpointing.every`` steps and at the end, each with the buffer's
 snapshot ``buffer-<step>.json`` and the loop's state ``loop-<step>.json`` beside it and the
 policy exported as an HF checkpoint ``hf/step-<step>/`` (``hf/latest`` the newest), the held-out
-episodes of each evaluation in ``generations/eval-<step>.jsonl``; ``plots/*.png``;
+episodes of each evaluation in ``generations/eval-<step>.jsonl``, a W&B run with ``logging.wandb``
+(:mod:`hetrl.orchestrator.monitors`); ``plots/*.png``;
 ``summary.json``.
 
 **Resume** (``checkpointing.resume``, ``hetrl train --resume``): the newest checkpoint is
@@ -111,8 +112,9 @@ from hetrl.models.config import ModelConfig
 from hetrl.models.resolve import resolve_model
 from hetrl.orchestrator.episodes import EpisodeRunner
 from hetrl.orchestrator.evaluation import evaluate_tasks
+from hetrl.orchestrator.monitors import build_monitors
 from hetrl.orchestrator.preflight import TRAINER_RANKS, check_runnable
-from hetrl.orchestrator.report import LiveDisplay, MetricsWriter, write_plots
+from hetrl.orchestrator.report import RunConsole, write_plots
 from hetrl.orchestrator.run_folder import RunFolder, write_atomic
 from hetrl.samplers.base import Generation, GenerationRequest, Sampler
 from hetrl.samplers.faults import ChaosLedger, ChaosSampler
@@ -270,6 +272,7 @@ class AsyncOrchestrator(abc.ABC):
         self.config = config
         self.wrap_sampler = wrap_sampler
         self.console = config.logging.console if console is None else console
+        self.display = RunConsole(config.steps, self.console)
         self.folder = RunFolder(pathlib.Path(config.output_dir))
         self.folder.check_start(config)
         self.output_dir = self.folder.root
@@ -308,7 +311,10 @@ class AsyncOrchestrator(abc.ABC):
 
         cfg = self.config
         self.folder.write_config(cfg)
+        if cfg.model.warmstart is not None:
+            self.display.phase("warm start")
         self.model_dir = resolve_model(cfg.model, self.folder.models, console=self.console)
+        self.display.phase("set-up")
         self._check_stop()
         self.model_config = ModelConfig.load(self.model_dir)
         tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
@@ -596,9 +602,11 @@ class AsyncOrchestrator(abc.ABC):
         try:
             scores = evaluate_tasks(self.runner, self._eval_sampler, list(self.eval_tasks) * e.samples, sampling,
                                     prefix=f"eval{self.trainer.version}", batch=SAMPLER_BATCH, episodes=episodes,
-                                    stop=self._stop_requested.is_set)
+                                    stop=self._stop_requested.is_set,
+                                    progress=lambda k, n: self.display.progress("evaluation", k, n))
         except Stopped:  # no score: the run stops at once (checkpointed by the trainer loop)
             return {}
+        self.display.phase("training")
         self.folder.write_generations(self.trainer.version, episodes)
         return {f"eval/{k}": v for k, v in scores.items()}
 
@@ -606,12 +614,14 @@ class AsyncOrchestrator(abc.ABC):
     def run(self) -> RunResult:
         """Train for ``config.steps`` steps (from the resumed step, if any); returns the record."""
         t_start = time.monotonic()
+        self.display.phase("set-up")
         self._start_backend()
         try:
             self._setup()
             return self._train(t_start)
         finally:
             self._stop_backend()
+            self.display.close()
 
     def _train(self, t_start: float) -> RunResult:
         cfg = self.config
@@ -645,12 +655,12 @@ class AsyncOrchestrator(abc.ABC):
         eval_every = self.options.eval.every
         trained: list[tuple[str, str, int, int]] = []
         history: list[dict[str, Any]] = list(self._resumed_history)
-        writer = MetricsWriter(self.metrics_path, self.tensorboard_dir)
+        writer = build_monitors(cfg, self.metrics_path, self.tensorboard_dir)
         if eval_every and self.trainer.version == 0:  # the starting policy's score, to compare the run's with
             scores = self._evaluate(self.trainer.export_hf_weights())  # {} when stopped during it
             if scores:
                 history.append({"step": 0, **scores})
-                writer.write(history[-1])
+                writer.log(history[-1])
         self._threads = [threading.Thread(target=self._worker, args=(r,), name=f"worker-{r.key}", daemon=True)
                          for r in self.fleet.replicas]
         self._restarting: set[str] = set()
@@ -665,7 +675,8 @@ class AsyncOrchestrator(abc.ABC):
         max_stale_seen = -1
         last_time, last_gen_tokens = time.monotonic(), 0.0
         try:
-            with LiveDisplay(cfg.steps, self.console) as display:
+            self.display.start_training(self.trainer.version)
+            with self.display as display:
                 while self.trainer.version < cfg.steps and not self._stop_requested.is_set():
                     wait_start = time.monotonic()
                     groups: list[RolloutGroup] = []
@@ -730,8 +741,8 @@ class AsyncOrchestrator(abc.ABC):
                         self._snapshot_state()
                     history.append(record)
                     if self.trainer.version % cfg.logging.every == 0 or self.trainer.version == cfg.steps:
-                        writer.write(record)
-                    display.update(record, self._pool_rows(fm))
+                        writer.log(record)
+                    display.step(record, self._pool_rows(fm))
         finally:
             self._stop.set()
             self.fleet.close()

@@ -1,120 +1,219 @@
-"""Run outputs: metrics JSON lines and TensorBoard events, the rich live display, PNG plots and the
-final summary."""
+"""Run outputs the user reads: the console (:class:`RunConsole`: a live 80-column view on a
+terminal, one plain line per step and phase otherwise), PNG plots and the final summary. Metric
+records go to the monitors of :mod:`hetrl.orchestrator.monitors`."""
 
 from __future__ import annotations
 
-import json
 import math
 import numbers
 import pathlib
-from typing import Any, Mapping, Sequence
+import threading
+import time
+from typing import Any, Callable, Mapping, Sequence
 
-import numpy as np
+from rich import get_console
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
-from hetrl.orchestrator.tb_events import EventFileWriter
-
-__all__ = ["MetricsWriter", "LiveDisplay", "write_plots", "summary_lines"]
-
-
-def _plain(value: Any) -> Any:
-    """Numpy scalars and arrays (``np.float32``, ``np.int64``, ``np.bool_``, ...) as plain Python
-    numbers, bools and lists, also inside lists, tuples and maps."""
-    if isinstance(value, (np.generic, np.ndarray)):
-        return value.tolist()
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
+__all__ = ["fmt", "fmt_duration", "RunConsole", "write_plots", "summary_lines"]
 
 
-def _clean(value: Any) -> Any:
-    """JSON-safe plain data (:func:`_plain`): non-finite floats become None."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_clean(v) for v in value]
-    return value
-
-
-class MetricsWriter:
-    """Appends one JSON object per record to ``path`` (created with its parents) and, with
-    ``tensorboard_dir``, one TensorBoard event per record to a new event file there
-    (:mod:`hetrl.orchestrator.tb_events`): every numeric entry but ``step`` as a scalar at the
-    record's ``step``."""
-
-    def __init__(self, path: str | pathlib.Path, tensorboard_dir: str | pathlib.Path | None = None):
-        self.path = pathlib.Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("a", encoding="utf-8")
-        self._events = EventFileWriter(tensorboard_dir) if tensorboard_dir is not None else None
-
-    def write(self, record: Mapping[str, Any]) -> None:
-        """Append ``record``; numpy values are written as plain numbers (lists for arrays) and
-        non-finite floats as ``null`` in the JSON line (TensorBoard keeps them)."""
-        plain = _plain(record)
-        self._file.write(json.dumps(_clean(plain), sort_keys=True) + "\n")
-        self._file.flush()
-        if self._events is not None:
-            scalars = {k: float(v) for k, v in plain.items()
-                       if k != "step" and isinstance(v, numbers.Real) and not isinstance(v, bool)}
-            self._events.add_scalars(int(plain["step"]), scalars)
-
-    def close(self) -> None:
-        self._file.close()
-        if self._events is not None:
-            self._events.close()
-
-
-def _fmt(value: Any, spec: str = ".3f") -> str:
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+def fmt(value: Any) -> str:
+    """The one way a metric is shown (console, plain lines, summary): ``-`` for a missing or
+    non-finite value; integers as they are below 100000, else with a k/M/G suffix (``98.8M``);
+    floats with 4 significant digits, or in scientific notation (``4.73e-04``) below 0.01 or from
+    1e6 on in magnitude, so a small KL never reads as ``0.000``."""
+    if value is None or isinstance(value, bool):
+        return "-" if value is None else str(value)
+    if isinstance(value, numbers.Integral):
+        value = int(value)
+        if abs(value) < 100_000:
+            return str(value)
+        for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+            if abs(value) >= scale:
+                return f"{value / scale:.3g}{suffix}"
+    value = float(value)
+    if not math.isfinite(value):
         return "-"
-    return format(value, spec)
+    if value == 0.0:
+        return "0"
+    if abs(value) < 1e-2 or abs(value) >= 1e6:
+        return f"{value:.2e}"
+    return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.4g}"
 
 
-class LiveDisplay:
-    """A rich live view: a headline table (step, reward, held-out, KL k3, masked fraction,
-    tokens/s, staleness) and one row per pool. A no-op when ``enabled`` is False."""
+def fmt_duration(seconds: float | None) -> str:
+    """``42s``, ``3m05s`` or ``2h07m``; ``-`` when unknown."""
+    if seconds is None or not math.isfinite(seconds):
+        return "-"
+    s = int(round(max(seconds, 0.0)))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
-    def __init__(self, total_steps: int, enabled: bool, console: Console | None = None):
+
+_HEADLINE = (("reward", "reward/mean"), ("solved", "rollout/solved"), ("held-out", "eval/success"),
+             ("KL k3", "mismatch/k3"), ("masked", "mismatch/masked_frac/any"),
+             ("gen tok/s", "throughput/gen_tokens_per_s"), ("train tok/s", "throughput/trained_tokens_per_s"),
+             ("stale", None), ("step s", "time/step_s"))
+"""The headline figures: (label, record key); ``stale`` shows ``staleness/mean``/``staleness/max``."""
+
+_POOL_COLUMNS = (("pool", "pool"), ("alive", "alive"), ("w-ver", "weight_version"), ("req", "requests"),
+                 ("tokens", "tokens"), ("trained", "trained"), ("drop", "dropped"), ("stale", "max_staleness"),
+                 ("k3", "k3"), ("$", "cost_usd"))
+"""The per-pool block: (header, key of a pool row; the row's ``numerics`` is left out: the static
+description of the pool, too wide for 80 columns)."""
+
+
+def _headline_value(record: Mapping[str, Any], key: str | None) -> str:
+    if key is None:
+        return f"{fmt(record.get('staleness/mean'))}/{fmt(record.get('staleness/max'))}"
+    return fmt(record.get(key))
+
+
+class RunConsole:
+    """What ``hetrl train`` shows while it runs (a no-op when ``enabled`` is False).
+
+    The loop reports through three calls: :meth:`phase` (``"warm start"``, ``"set-up"``,
+    ``"training"``, ...), :meth:`progress` (``k`` of ``n`` done in a phase, e.g. the evaluation's
+    episodes) and :meth:`step` (a step's metric record and the pools' rows). On a terminal a rich
+    live view shows a status line (the phase, its progress, the elapsed time and, in training,
+    the ETA from the mean time per step so far), the headline figures of the last step and one
+    compact row per pool, all within 80 columns (cells fold, never truncate). Otherwise (stdout
+    piped to a file or a log) each phase change, progress report and step prints one plain line,
+    flushed at once. ``console``: where to write (default: rich's global console, which the warm
+    start's progress bar shares, so it shows inside the live view); ``clock``: seconds (tests)."""
+
+    def __init__(self, total_steps: int, enabled: bool = True, console: Console | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.total = total_steps
         self.enabled = enabled
-        self._live = Live(console=console or Console(), refresh_per_second=4, transient=False) if enabled else None
+        self.console = console or get_console()
+        self.interactive = self.console.is_terminal
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._live: Live | None = None
+        self._phase, self._done, self._of = "", 0, 0
+        self._started = self._phase_started = clock()
+        self._train_started: tuple[float, int] | None = None  # (time, step) when training began
+        self._record: Mapping[str, Any] = {}
+        self._pools: Sequence[Mapping[str, Any]] = ()
 
-    def __enter__(self) -> "LiveDisplay":
-        if self._live is not None:
-            self._live.__enter__()
+    # ------------------------------------------------------------------ what the loop calls
+    def phase(self, name: str) -> None:
+        """Enter phase ``name`` (a repeated call is a no-op; training starts with :meth:`start_training`)."""
+        with self._lock:
+            if name == self._phase and not self._of:
+                return
+            self._phase, self._done, self._of = name, 0, 0
+            self._phase_started = self._clock()
+            self._show(self._status())
+
+    def start_training(self, step: int) -> None:
+        """Training begins (or resumes) at ``step``: the phase ``"training"`` and the ETA's origin."""
+        with self._lock:
+            self._train_started = (self._clock(), step)
+            self.phase("training")
+
+    def progress(self, name: str, done: int, total: int) -> None:
+        """``done`` of ``total`` units of phase ``name`` are finished (entering it if needed)."""
+        with self._lock:
+            if name != self._phase:
+                self._phase, self._phase_started = name, self._clock()
+            self._done, self._of = done, total
+            self._show(self._status())
+
+    def step(self, record: Mapping[str, Any], pools: Sequence[Mapping[str, Any]]) -> None:
+        """A step finished: show its ``record`` and the ``pools``' rows (one mapping per pool with
+        the keys of the pool block)."""
+        with self._lock:
+            self._record, self._pools = dict(record), list(pools)
+            if self._phase != "training":
+                self._phase, self._done, self._of = "training", 0, 0
+            self._show(self._plain_step())
+
+    def close(self) -> None:
+        """Stop the live view (its last frame stays on the screen)."""
+        with self._lock:
+            if self._live is not None:
+                self._live.stop()
+                self._live = None
+
+    def __enter__(self) -> "RunConsole":
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self._live is not None:
-            self._live.__exit__(*exc)
+        self.close()
 
-    def update(self, record: Mapping[str, Any], pools: Sequence[Mapping[str, Any]]) -> None:
-        if self._live is None:
+    # ------------------------------------------------------------------ rendering
+    def _show(self, line: str) -> None:
+        if not self.enabled:
             return
-        head = Table(title=f"hetrl: step {record['step']}/{self.total}", show_header=True)
-        cols = [("reward", "reward/mean"), ("solved", "rollout/solved"), ("held-out", "eval/success"),
-                ("KL k3", "mismatch/k3"), ("masked", "mismatch/masked_frac/any"), ("gen tok/s", "throughput/gen_tokens_per_s"),
-                ("train tok/s", "throughput/trained_tokens_per_s"), ("stale mean", "staleness/mean"),
-                ("stale max", "staleness/max"), ("step s", "time/step_s")]
-        for name, _ in cols:
-            head.add_column(name, justify="right")
-        head.add_row(*[_fmt(record.get(key)) for _, key in cols])
-        table = Table(title="pools", show_header=True)
-        for name in ("pool", "numerics", "alive", "w-ver", "requests", "tokens", "trained", "dropped",
-                     "max stale", "k3", "cost $"):
-            table.add_column(name, justify="right")
-        for p in pools:
-            table.add_row(p["pool"], p["numerics"], str(p["alive"]), str(p["weight_version"]), str(p["requests"]),
-                          str(p["tokens"]), str(p["trained"]), str(p["dropped"]), str(p["max_staleness"]),
-                          _fmt(p["k3"], ".2e"), _fmt(p["cost_usd"], ".4f"))
-        self._live.update(Group(head, table))
+        if not self.interactive:
+            self.console.print(line, markup=False, highlight=False, soft_wrap=True)
+            self.console.file.flush()
+            return
+        if self._live is None:
+            self._live = Live(get_renderable=self.render, console=self.console, refresh_per_second=4,
+                              transient=False)
+            self._live.start()
+        self._live.refresh()
+
+    def _eta(self) -> float | None:
+        step = self._record.get("step")
+        if self._train_started is None or not isinstance(step, int):
+            return None
+        t0, s0 = self._train_started
+        done = step - s0
+        return (self._clock() - t0) / done * (self.total - step) if done > 0 else None
+
+    def _status(self) -> str:
+        """``hetrl | <phase> [k/n] [(time in it)] | step s/N | elapsed <since start> | ETA <left>``."""
+        now = self._clock()
+        phase = (self._phase or "starting") + (f" {self._done}/{self._of}" if self._of else "")
+        if self._phase != "training":
+            phase += f" ({fmt_duration(now - self._phase_started)})"
+        parts = [f"hetrl | {phase}"]
+        if self._train_started is not None:
+            step = self._record.get("step", self._train_started[1])
+            parts.append(f"step {step}/{self.total}")
+        parts.append(f"elapsed {fmt_duration(now - self._started)}")
+        if self._train_started is not None:
+            parts.append(f"ETA {fmt_duration(self._eta())}")
+        return " | ".join(parts)
+
+    def _plain_step(self) -> str:
+        """One line per step: the status, the headline figures and each pool's alive/k3."""
+        r = self._record
+        figures = " ".join(f"{label}={_headline_value(r, key)}" for label, key in _HEADLINE)
+        pools = " ".join(f"[{p['pool']} {p['alive']} k3={fmt(p['k3'])}]" for p in self._pools)
+        return f"{self._status()} | {figures}" + (f" | {pools}" if pools else "")
+
+    def render(self) -> Group:
+        """The live view: status line, headline figures (4 pairs a row) and the pool block."""
+        with self._lock:
+            parts: list[Any] = [Text(self._status(), style="bold")]
+            if self._record:
+                head = Table.grid(padding=(0, 1))
+                for _ in range(4):
+                    head.add_column(style="dim", overflow="fold")
+                    head.add_column(justify="right", overflow="fold")
+                cells = [c for label, key in _HEADLINE for c in (label, _headline_value(self._record, key))]
+                for i in range(0, len(cells), 8):
+                    head.add_row(*cells[i: i + 8])
+                parts.append(head)
+            if self._pools:
+                table = Table(box=None, padding=(0, 1, 0, 0), pad_edge=False, show_edge=False, header_style="bold")
+                for header, _ in _POOL_COLUMNS:
+                    table.add_column(header, justify="left" if header == "pool" else "right", overflow="fold")
+                for p in self._pools:
+                    table.add_row(*[p[key] if isinstance(p[key], str) else fmt(p[key]) for _, key in _POOL_COLUMNS])
+                parts.append(table)
+            return Group(*parts)
 
 
 def write_plots(history: Sequence[Mapping[str, Any]], pool_names: Sequence[str], directory: str | pathlib.Path) -> list[pathlib.Path]:
@@ -171,13 +270,13 @@ def summary_lines(history: Sequence[Mapping[str, Any]], final: Mapping[str, Any]
     steps = [r for r in history if "reward/mean" in r] or list(history)  # without the step-0 evaluation
     first, last = steps[0], steps[-1]
     evals = [r for r in history if "eval/success" in r]
-    held = (f"start {_fmt(evals[0]['eval/success'])} (step {evals[0]['step']})  end {_fmt(evals[-1]['eval/success'])} "
+    held = (f"start {fmt(evals[0]['eval/success'])} (step {evals[0]['step']})  end {fmt(evals[-1]['eval/success'])} "
             f"(step {evals[-1]['step']})" if evals else "-")
     lines = [
         f"steps: {last['step']}  wall: {final['wall_s']:.1f}s  trainer version: {final['version']}",
-        f"reward: first {_fmt(first.get('reward/mean'))}  last {_fmt(last.get('reward/mean'))}",
+        f"reward: first {fmt(first.get('reward/mean'))}  last {fmt(last.get('reward/mean'))}",
         f"held-out success: {held} ({len(evals)} evaluations)",
-        f"KL k3: last {_fmt(last.get('mismatch/k3'), '.2e')}  staleness max over run: {final['max_staleness']}",
+        f"KL k3: last {fmt(last.get('mismatch/k3'))}  staleness max over run: {final['max_staleness']}",
         f"groups: trained {final['groups_trained']}  dropped {final['groups_dropped']}  "
         f"rejected rollouts {final['rollouts_rejected']}  requeued jobs {final['requeues']}",
         f"outputs: {final['output_dir']}",

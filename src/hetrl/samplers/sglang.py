@@ -1,11 +1,13 @@
 """SGLang (GPU) and sglang-jax (TPU) server pools behind the :class:`Sampler` protocol.
 
 One :class:`ServerSampler` is one fleet replica; it talks to one or more server endpoints over
-HTTP (async, ``aiohttp``): every request of a ``generate`` call is sent concurrently (the server
-batches them) to the endpoint with the fewest requests in flight (ties: round-robin). A request
-that fails to connect, times out, or gets a 5xx answer is retried after an exponential backoff
+HTTP through one persistent ``httpx.AsyncClient`` (kept-alive connections) on its own event-loop
+thread: every request of a ``generate`` call is sent concurrently (the server batches them) to
+the endpoint with the fewest requests in flight (ties: round-robin). A request that fails to
+connect, times out, or gets a 5xx answer is retried (``tenacity``) after an exponential backoff
 (``backoff_s · 2^attempt``) on another endpoint when there is one, up to ``retries`` times; an
-endpoint that failed is avoided until it answers ``/health`` again. When a request is out of
+endpoint that failed is avoided until it answers ``/health`` again (probed by :meth:`health`,
+the fleet's health path, never before a generate call). When a request is out of
 retries the call raises :class:`ServerError`, and the fleet marks the replica dead and re-queues
 its jobs on other replicas (:mod:`hetrl.samplers.fleet`). A 4xx answer is a bad request: it is
 raised at once, never retried. ``api_key_env`` adds ``Authorization: Bearer <key>``.
@@ -52,7 +54,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+import httpx
 import numpy as np
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from hetrl.core.schema import SamplerInfo, SamplingSupport
 from hetrl.errors import UserError
@@ -85,6 +89,10 @@ class _BadRequest(ValueError):
     """The server refused a request (4xx): not retried."""
 
 
+class _Failed(Exception):
+    """One attempt of a request failed (its :class:`ServerError` in ``args[0]``): retried."""
+
+
 @dataclass
 class _Endpoint:
     url: str
@@ -99,7 +107,7 @@ class ServerSampler:
     ``model_dir``: the run's base checkpoint (config, tokenizer; version 0). ``weights_dir``: a
     directory the servers can read, where weight versions are exported. ``endpoints``: this
     replica's server URLs (default: all of the pool's). ``sync_base``: load ``model_dir`` as
-    version 0 now (``disk`` sync only)."""
+    version 0 now (``disk`` sync only). :meth:`close` releases the client and its thread."""
 
     def __init__(self, pool: PoolConfig, numerics: SamplerNumerics, *, model_dir: str | pathlib.Path,
                  weights_dir: str | pathlib.Path, endpoints: Sequence[str] | None = None, sync_base: bool = True):
@@ -121,6 +129,10 @@ class ServerSampler:
         self._source = self.model_dir  # the directory of the current version
         self._in_flight = 0
         self._tokens = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"http-{pool.name}", daemon=True)
+        self._thread.start()
+        self._client = self._run(self._open_client())
         try:
             if sync_base and self.options.resolved_weight_sync(pool.engine) == "disk":
                 verify_manifest(self.model_dir)
@@ -129,8 +141,10 @@ class ServerSampler:
                 for e in self.endpoints:
                     e.version = 0
             self._info = numerics.sampler_info(pool.name, pool.engine, self._run(self._engine_version()))
-        except ServerError:
-            if not any(self._run(self._probe_all())):
+        except BaseException as err:
+            unreachable = isinstance(err, ServerError) and not any(self._run(self._probe_all()))
+            self.close()
+            if unreachable:
                 raise ServerUnreachable(
                     f"pool {pool.name!r}: no {pool.engine} server answers at {', '.join(e.url for e in self.endpoints)}; "
                     f"start the server there, or fix fleet.pools[{pool.name}].endpoints") from None
@@ -237,11 +251,7 @@ class ServerSampler:
         }
 
     async def _generate_all(self, requests: Sequence[GenerationRequest], version: int) -> list[Generation]:
-        import aiohttp
-
-        async with aiohttp.ClientSession(headers=self._headers, timeout=self._timeout()) as session:
-            answers = await asyncio.gather(*(self._post_with_retries(session, "/generate", self._payload(r))
-                                             for r in requests))
+        answers = await asyncio.gather(*(self._post_with_retries("/generate", self._payload(r)) for r in requests))
         gens = [self._to_generation(r, a, version) for r, a in zip(requests, answers)]
         with self._lock:
             self._tokens += sum(int(g.token_ids.shape[0]) for g in gens)
@@ -272,10 +282,14 @@ class ServerSampler:
                           timings={"e2e_s": float(meta.get("e2e_latency") or 0.0)})
 
     # ------------------------------------------------------------------ HTTP
-    def _timeout(self):
-        import aiohttp
-
-        return aiohttp.ClientTimeout(total=self.options.request_timeout_s, connect=self.options.connect_timeout_s)
+    async def _open_client(self) -> httpx.AsyncClient:
+        """The replica's client, made on its loop: requests time out after ``request_timeout_s``
+        without an answer (connecting: ``connect_timeout_s``); no cap on open connections, since
+        a generate call sends all its requests at once; proxy variables of the environment are
+        ignored (the servers are addressed directly)."""
+        timeout = httpx.Timeout(self.options.request_timeout_s, connect=self.options.connect_timeout_s)
+        return httpx.AsyncClient(headers=self._headers, timeout=timeout, trust_env=False,
+                                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
 
     def _pick(self, avoid: set[str]) -> _Endpoint:
         """The least-loaded endpoint holding the current version, preferring ones that have not
@@ -291,73 +305,77 @@ class ServerSampler:
             choice.in_flight += 1
             return choice
 
-    async def _post_with_retries(self, session, path: str, payload: dict) -> Any:
+    async def _post_with_retries(self, path: str, payload: dict) -> Any:
+        """POST ``payload`` to ``path`` of the endpoint :meth:`_pick` gives, again on another one
+        after a backoff while retries remain (module docstring); a 4xx is raised at once."""
         errors: list[str] = []
         avoid: set[str] = set()
-        for attempt in range(self.options.retries + 1):
-            if attempt:
-                await asyncio.sleep(self.options.backoff_s * 2 ** (attempt - 1))
-            endpoint = self._pick(avoid)
-            try:
-                return await self._request(session, "POST", endpoint.url + path, payload)
-            except _BadRequest:
-                raise
-            except ServerError as err:
-                errors.append(str(err))
-                avoid.add(endpoint.url)
-                with self._lock:
-                    endpoint.failed = True
-                log.warning("pool %s: %s (attempt %d of %d)", self.pool.name, err, attempt + 1, self.options.retries + 1)
-            finally:
-                with self._lock:
-                    endpoint.in_flight -= 1
-        raise ServerError(f"pool {self.pool.name!r}: {path} failed after {self.options.retries + 1} attempts: "
-                          + "; ".join(errors))
-
-    async def _request(self, session, method: str, url: str, payload: dict | None = None) -> Any:
-        import aiohttp
-
+        attempts = self.options.retries + 1
+        retrying = AsyncRetrying(stop=stop_after_attempt(attempts), retry=retry_if_exception_type(_Failed),
+                                 wait=wait_exponential(multiplier=self.options.backoff_s, min=0.0), reraise=True)
         try:
-            async with session.request(method, url, json=payload) as resp:
-                text = await resp.text()
-                if 400 <= resp.status < 500:
-                    raise _BadRequest(f"{method} {url}: HTTP {resp.status}: {text[:500]}")
-                if resp.status >= 500:
-                    raise ServerError(f"{method} {url}: HTTP {resp.status}: {text[:500]}")
-                if "json" not in resp.headers.get("Content-Type", ""):
-                    return text
-                return await resp.json()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
+            async for attempt in retrying:
+                with attempt:
+                    endpoint = self._pick(avoid)
+                    try:
+                        return await self._request("POST", endpoint.url + path, payload)
+                    except ServerError as err:
+                        errors.append(str(err))
+                        avoid.add(endpoint.url)
+                        with self._lock:
+                            endpoint.failed = True
+                        log.warning("pool %s: %s (attempt %d of %d)", self.pool.name, err,
+                                    attempt.retry_state.attempt_number, attempts)
+                        raise _Failed(err) from None
+                    finally:
+                        with self._lock:
+                            endpoint.in_flight -= 1
+        except _Failed:
+            pass
+        raise ServerError(f"pool {self.pool.name!r}: {path} failed after {attempts} attempts: " + "; ".join(errors))
+
+    async def _request(self, method: str, url: str, payload: dict | None = None, *,
+                       timeout: float | None = None) -> Any:
+        """One request on the replica's client (``timeout``: this request's, default the
+        client's); the answer's JSON, or its text when it is not JSON."""
+        try:
+            resp = await self._client.request(method, url, json=payload,
+                                              **({"timeout": timeout} if timeout is not None else {}))
+        except (httpx.HTTPError, OSError) as err:
             raise ServerError(f"{method} {url}: {type(err).__name__}: {err}") from None
+        if 400 <= resp.status_code < 500:
+            raise _BadRequest(f"{method} {url}: HTTP {resp.status_code}: {resp.text[:500]}")
+        if resp.status_code >= 500:
+            raise ServerError(f"{method} {url}: HTTP {resp.status_code}: {resp.text[:500]}")
+        if "json" not in resp.headers.get("Content-Type", ""):
+            return resp.text
+        try:
+            return resp.json()
+        except ValueError as err:
+            raise ServerError(f"{method} {url}: unreadable JSON: {err}") from None
 
     async def _probe_all(self, endpoints: Sequence[_Endpoint] | None = None) -> list[bool]:
-        """``GET /health`` on ``endpoints`` (default: all); marks each failed or not."""
-        import aiohttp
-
-        timeout = aiohttp.ClientTimeout(total=self.options.connect_timeout_s)
-        async with aiohttp.ClientSession(headers=self._headers, timeout=timeout) as session:
-            async def probe(e: _Endpoint) -> bool:
-                try:
-                    await self._request(session, "GET", e.url + "/health")
-                    ok = True
-                except (ServerError, _BadRequest):
-                    ok = False
-                with self._lock:
-                    e.failed = not ok
-                return ok
-            return list(await asyncio.gather(*(probe(e) for e in endpoints or self.endpoints)))
+        """``GET /health`` on ``endpoints`` (default: all), ``connect_timeout_s`` each; marks
+        each failed or not."""
+        async def probe(e: _Endpoint) -> bool:
+            try:
+                await self._request("GET", e.url + "/health", timeout=self.options.connect_timeout_s)
+                ok = True
+            except (ServerError, _BadRequest):
+                ok = False
+            with self._lock:
+                e.failed = not ok
+            return ok
+        return list(await asyncio.gather(*(probe(e) for e in endpoints or self.endpoints)))
 
     async def _engine_version(self) -> str:
-        import aiohttp
-
-        async with aiohttp.ClientSession(headers=self._headers, timeout=self._timeout()) as session:
-            for e in self.endpoints:
-                for path in ("/server_info", "/get_server_info"):  # sglang; sglang-jax
-                    try:
-                        info = await self._request(session, "GET", e.url + path)
-                    except (ServerError, _BadRequest):
-                        continue
-                    return f"{self.pool.engine}-{info.get('version', '')}" if isinstance(info, dict) else self.pool.engine
+        for e in self.endpoints:
+            for path in ("/server_info", "/get_server_info"):  # sglang; sglang-jax
+                try:
+                    info = await self._request("GET", e.url + path)
+                except (ServerError, _BadRequest):
+                    continue
+                return f"{self.pool.engine}-{info.get('version', '')}" if isinstance(info, dict) else self.pool.engine
         raise ServerError(f"pool {self.pool.name!r}: no endpoint answers /server_info or /get_server_info "
                           f"({', '.join(e.url for e in self.endpoints)})")
 
@@ -386,24 +404,22 @@ class ServerSampler:
                         version: int) -> list[Exception | None]:
         """``/update_weights_from_disk`` on each endpoint, then the version ``/model_info``
         reports must be ``version``; the error of each endpoint (None: loaded)."""
-        import aiohttp
-
         body = {"model_path": str(pathlib.Path(directory).resolve()), "weight_version": str(int(version))}
-        async with aiohttp.ClientSession(headers=self._headers, timeout=self._timeout()) as session:
-            async def load(e: _Endpoint) -> Exception | None:
-                try:
-                    answer = await self._request(session, "POST", e.url + "/update_weights_from_disk", body)
-                    if isinstance(answer, dict) and answer.get("success") is False:
-                        raise ServerError(f"{e.url}: /update_weights_from_disk refused {directory}: "
-                                          f"{answer.get('message')}")
-                    info = await self._request(session, "GET", e.url + "/model_info")
-                    reported = info.get("weight_version") if isinstance(info, dict) else None
-                    if reported != str(int(version)):
-                        raise ServerError(f"{e.url}: reports weight version {reported!r} after loading version {version}")
-                except (ServerError, _BadRequest) as err:
-                    return err
-                return None
-            return list(await asyncio.gather(*(load(e) for e in endpoints)))
+
+        async def load(e: _Endpoint) -> Exception | None:
+            try:
+                answer = await self._request("POST", e.url + "/update_weights_from_disk", body)
+                if isinstance(answer, dict) and answer.get("success") is False:
+                    raise ServerError(f"{e.url}: /update_weights_from_disk refused {directory}: "
+                                      f"{answer.get('message')}")
+                info = await self._request("GET", e.url + "/model_info")
+                reported = info.get("weight_version") if isinstance(info, dict) else None
+                if reported != str(int(version)):
+                    raise ServerError(f"{e.url}: reports weight version {reported!r} after loading version {version}")
+            except (ServerError, _BadRequest) as err:
+                return err
+            return None
+        return list(await asyncio.gather(*(load(e) for e in endpoints)))
 
     def _restart(self, e: _Endpoint, directory: pathlib.Path, version: int) -> Exception | None:
         """The restart fallback for one endpoint: run ``restart_command``, wait for ``/health``."""
@@ -424,10 +440,20 @@ class ServerSampler:
         return None
 
     # ------------------------------------------------------------------ plumbing
-    @staticmethod
-    def _run(coro):
-        """Run ``coro`` on a private event loop (callers are plain threads of the fleet)."""
-        return asyncio.run(coro)
+    def _run(self, coro):
+        """Run ``coro`` on the replica's event loop and wait for it (callers are plain threads of
+        the fleet, any number at once)."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def close(self) -> None:
+        """Close the HTTP client and stop its event-loop thread (idempotent)."""
+        if self._loop.is_closed():
+            return
+        if getattr(self, "_client", None) is not None:
+            self._run(self._client.aclose())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
 
 
 def _native_support(meta: Mapping[str, Any], ids: np.ndarray) -> tuple[SamplingSupport, np.ndarray]:

@@ -31,7 +31,7 @@ import time
 from typing import Any, Callable
 
 import numpy as np
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from hetrl.envs.base import ChatFormat
 from hetrl.envs.coding import CodingEnv, CodingEnvConfig, FunctionTask
@@ -39,6 +39,7 @@ from hetrl.envs.tasks_synthetic import suite_programs, suite_task, synthetic_sui
 from hetrl.models.config import ModelConfig
 from hetrl.models.tiny import SPECIAL_TOKENS, TINY_QWEN3, save_checkpoint, train_tokenizer
 from hetrl.stopping import current
+from hetrl.orchestrator.report import fmt
 from hetrl.warmstart.config import WarmstartConfig
 
 __all__ = ["RESULT_FILE", "model_config", "training_tasks", "run_warmstart", "evaluate_checkpoint"]
@@ -109,7 +110,8 @@ def run_warmstart(c: WarmstartConfig, out_dir: str | pathlib.Path, *, console: b
     opt_state = tx.init(params)
     step = make_sft_step(graphdef, tx)
     curve: list[dict[str, float]] = []
-    columns = (TextColumn("warm start"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.description}"))
+    columns = (TextColumn("warm start"), BarColumn(bar_width=20), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.description}"))
     with Progress(*columns, disable=not console) as progress:
         bar = progress.add_task("", total=t.steps)
         for i in range(t.steps):
@@ -119,7 +121,7 @@ def run_warmstart(c: WarmstartConfig, out_dir: str | pathlib.Path, *, console: b
             if i % 25 == 0 or i == t.steps - 1:
                 record = {"step": i + 1, **{k: float(v) for k, v in metrics.items()}}
                 curve.append(record)
-                progress.update(bar, description=f"loss {record['loss']:.3f} acc {record['accuracy']:.3f}")
+                progress.update(bar, description=f"loss {fmt(record['loss'])} acc {fmt(record['accuracy'])}")
             progress.update(bar, completed=i + 1)
     trained = time.perf_counter()
 
