@@ -64,11 +64,13 @@ def run(tmp_path_factory):
     return LocalOrchestrator(cfg, wrap_sampler=wrap, console=False).run(), killed, poisoned
 
 
+@pytest.mark.slow
 def test_run_completes_and_writes_outputs(run):
     result, *_ = run
     check_outputs(result, steps=3, eval_steps=[0, 2, 3])
 
 
+@pytest.mark.slow
 def test_rewards_come_from_the_environment(run):
     result, *_ = run
     assert result.rewards and all(np.isfinite(result.rewards))
@@ -77,20 +79,24 @@ def test_rewards_come_from_the_environment(run):
     assert result.history[-1]["rollout/rollouts_valid"] > 0
 
 
+@pytest.mark.slow
 def test_weight_versions_are_monotone_per_replica(run):
     check_monotone_versions(run[0])
 
 
+@pytest.mark.slow
 def test_no_trained_group_is_older_than_max_staleness(run):
     check_staleness(run[0], MAX_STALENESS)
 
 
+@pytest.mark.slow
 def test_killed_replica_jobs_are_requeued_exactly_once(run):
     result, killed, _ = run
     (dead,) = killed
     check_requeued_exactly_once(result, {rid.split("/")[0] for rid in dead.failed}, "fast/1")
 
 
+@pytest.mark.slow
 def test_poisoned_pool_is_rejected_counted_quarantined_and_never_trained(run):
     result, _, (poisoned,) = run
     assert sum(poisoned.used.values()) >= QUARANTINE_MIN
@@ -108,6 +114,7 @@ def test_poisoned_pool_is_rejected_counted_quarantined_and_never_trained(run):
     assert result.final["version"] == 3 and "poison/0" not in result.rollout_versions
 
 
+@pytest.mark.slow
 def test_a_dead_replica_is_restarted_and_serves_again(tmp_path):
     """The second replica dies on its first call; the restart policy builds it again after the
     delay, and the new one serves jobs (its first-token weight versions are recorded)."""
@@ -132,6 +139,7 @@ def test_a_dead_replica_is_restarted_and_serves_again(tmp_path):
     check_requeued_exactly_once(result, {r.split("/")[0] for r in killed[0].failed}, dead_replica="none")
 
 
+@pytest.mark.slow
 def test_chaos_drill_loses_nothing_and_a_stop_request_ends_at_a_checkpoint(tmp_path):
     """Random kills, stalls and poisoned generations on every replica (fleet.chaos, seeded), the
     run stopped by request_stop() (what SIGTERM does) after its second step: every submitted

@@ -16,6 +16,8 @@ from hetrl.orchestrator.local import LocalOrchestrator
 from hetrl.samplers.faults import Slow
 from orchestrator_checks import check_monotone_versions, check_staleness
 
+pytestmark = pytest.mark.slow  # each test trains tiny runs (minutes on 2 cores)
+
 MAX_STALENESS = 1
 
 

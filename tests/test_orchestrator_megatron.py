@@ -19,6 +19,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each test trains tiny runs (minutes on 2 cores)
+
 RUN_TIMEOUT_S = 600
 K3_BOUND = 1e-3  # measured ~1e-5 (fp32 trainer vs BF16 samplers of the same weights); random weights give ~1
 

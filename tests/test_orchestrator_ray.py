@@ -79,6 +79,7 @@ def run(tmp_path_factory):
     return outcome["result"], killed
 
 
+@pytest.mark.slow
 def test_ray_run_completes_and_writes_outputs(run):
     result, _ = run
     assert result.final["backend"] == "ray"
@@ -86,14 +87,17 @@ def test_ray_run_completes_and_writes_outputs(run):
     assert not ray.is_initialized()  # the private instance was shut down
 
 
+@pytest.mark.slow
 def test_ray_weight_versions_are_monotone_per_replica(run):
     check_monotone_versions(run[0])
 
 
+@pytest.mark.slow
 def test_ray_no_trained_group_is_older_than_max_staleness(run):
     check_staleness(run[0], MAX_STALENESS)
 
 
+@pytest.mark.slow
 def test_ray_killed_actor_jobs_are_requeued_exactly_once(run):
     result, killed = run
     assert "jobs" in killed, f"replica {KILLED} never had a generate call in flight"

@@ -94,6 +94,7 @@ def warm(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_warmstart_writes_a_loadable_hf_checkpoint_and_learns(warm):
     config = ModelConfig.load(warm)
     check_state_dict(config, load_state_dict(warm))
@@ -109,6 +110,7 @@ def test_warmstart_writes_a_loadable_hf_checkpoint_and_learns(warm):
         assert scores["tasks"] == episodes and 0.0 <= scores["success"] <= 1.0 and 0.0 <= scores["reward"] <= 1.0
 
 
+@pytest.mark.slow
 def test_run_config_builds_the_warm_start_once(warm, tmp_path):
     from hetrl.config import ModelSection
     from hetrl.models.resolve import resolve_model
