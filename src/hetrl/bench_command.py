@@ -6,11 +6,12 @@ directory, so a new script is a new benchmark). Each one follows one convention:
 * its module docstring's first paragraph is its description (``hetrl bench --list`` prints it,
   read from the source without importing the script);
 * it exposes ``main(argv: list[str] | None = None)``, whose parser starts from
-  :func:`script_parser` (``--quick``, ``--out``) and which writes its JSON and plot to
-  :func:`output_dir` and prints its table;
+  :func:`script_parser` (``--quick``, ``--out``) and which prints its table and writes
+  ``NAME.json`` and ``NAME.png`` to :func:`output_dir`;
 * ``--quick`` is the smallest size that still runs every code path (seconds, at most a minute on
   a 2-core machine): tests/test_bench.py runs every script that way. Quick figures go to
-  ``runs/bench-quick/`` unless ``--out`` is given, so they never overwrite ``bench/results/``.
+  ``runs/bench-quick/`` unless ``--out`` is given, so they never overwrite ``bench/results/``,
+  and so does anything else a quick run writes (run directories, caches).
 
 ``hetrl bench NAME ARGS...`` imports ``bench/NAME.py`` and calls ``main(ARGS)`` (``-`` and ``_``
 are interchangeable in NAME; ``hetrl bench NAME --help`` shows the script's own options).
