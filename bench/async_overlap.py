@@ -26,8 +26,8 @@ over repeats.
                                             [--quick]
 
 Writes ``async_overlap.json`` and ``async_overlap.png`` to ``--out``. ``--quick``: 2 steps, 1
-repeat, batches of 2 groups x 2 rollouts of at most 16 new tokens, ``--work`` under the output
-directory (``async_overlap-work/``).
+repeat, no warm-up runs, two of the six pools, batches of 2 groups x 2 rollouts of at most 16 new
+tokens, ``--work`` under the output directory (``async_overlap-work/``).
 """
 
 from __future__ import annotations
@@ -49,7 +49,11 @@ from hetrl.config import load_config
 from hetrl.orchestrator.local import LocalOrchestrator
 
 ARMS = {"async": [], "sync": ["async.max_staleness=0"]}
-QUICK_OVERRIDES = ["async.batch_groups=2", "async.group_size=2", "async.max_new_tokens=16"]
+QUICK_OVERRIDES = [
+    "async.batch_groups=2", "async.group_size=2", "async.max_new_tokens=16",
+    "fleet.pools=[{name: h100-fp8, accelerator: h100, weight_precision: fp8_e4m3, kv_precision: fp8_e4m3},"
+    " {name: a100-bf16, accelerator: a100, weight_precision: bf16, kv_precision: bf16}]",
+]
 
 
 def run_arm(config: str, arm: str, steps: int, rep: int, work: pathlib.Path, model_dir: pathlib.Path,
@@ -133,8 +137,9 @@ def main(argv: list[str] | None = None) -> None:
 
     runs: list[dict] = []
     with Progress(console=console) as progress:
-        task = progress.add_task("async vs sync runs (interleaved)", total=2 * args.repeats + 2)
-        for arm in ARMS:  # warm-up: fill the compilation caches, not timed
+        warmups = [] if args.quick else list(ARMS)
+        task = progress.add_task("async vs sync runs (interleaved)", total=2 * args.repeats + len(warmups))
+        for arm in warmups:  # warm-up: fill the compilation caches, not timed
             progress.update(task, description=f"warm-up: {arm}")
             run_arm(args.config, arm, 2, -1, args.work, model_dir, overrides)
             progress.advance(task)

@@ -235,6 +235,7 @@ def plot(rows: list[dict], size: Size, path: pathlib.Path) -> None:
                     (x[i], top), ha="center", va="bottom", fontsize=7)
     ax.set_xticks(x, [f"batch {r['batch_size']}" for r in rows])
     ax.set_yscale("log")
+    ax.set_ylim(top=ax.get_ylim()[1] * 4)  # room for the annotations under the title
     ax.set_ylabel("new tokens / s (speedup: median / best)")
     ax.set_title(f"Sampler throughput: prompt {size.prompt_len}, {size.new_tokens} new tokens, fp32, top-k 50 / top-p 0.95")
     ax.title.set_fontsize(9)

@@ -17,9 +17,11 @@ every received group trained, dropped by the staleness policy or pending.
 
 Writes ``soak.json`` (settings, steps, faults injected, restarts, rejections by reason, the audit)
 and ``soak.png`` (reward and faults over the run) to ``--out``; the run's own outputs go to
-``--run-dir`` (default ``runs/soak/``, emptied first). ``--quick``: 20 seconds (set-up included)
-with batches of 2 groups x 2 rollouts of at most 16 new tokens, kill and poison rates of 0.1,
-stalls of 0.5 s, restarts after 0.5 s, the run's outputs in ``soak-run/`` under the output directory.
+``--run-dir`` (default ``runs/soak/``, emptied first). ``--quick``: 2 trainer steps (at most 5
+minutes: a clock stop in mid-compile would leave generations running at exit) with two of the
+six pools, batches of 2 groups x 2 rollouts of at most 16 new tokens, kill and poison rates of
+0.1, stalls of 0.5 s, restarts after 0.5 s, the run's outputs in ``soak-run/`` under the output
+directory.
 """
 
 from __future__ import annotations
@@ -39,14 +41,20 @@ from hetrl.config import load_config
 from hetrl.orchestrator.local import LocalOrchestrator
 
 
-QUICK = dict(minutes=1 / 3, kill_rate=0.1, slow_s=0.5, poison_rate=0.1)
-QUICK_OVERRIDES = ["async.batch_groups=2", "async.group_size=2", "async.max_new_tokens=16",
-                   "fleet.restart={max_per_replica: 1000, delay_s: 0.5}"]
+QUICK = dict(minutes=5.0, steps=2, kill_rate=0.1, slow_s=0.5, poison_rate=0.1)
+QUICK_OVERRIDES = [
+    "async.batch_groups=2", "async.group_size=2", "async.max_new_tokens=16",
+    "fleet.restart={max_per_replica: 1000, delay_s: 0.5}",
+    "fleet.pools=[{name: h100-fp8, accelerator: h100, weight_precision: fp8_e4m3, kv_precision: fp8_e4m3},"
+    " {name: a100-bf16, accelerator: a100, weight_precision: bf16, kv_precision: bf16}]",
+]
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = script_parser(__doc__)
-    parser.add_argument("--minutes", type=float, default=None, help="default 60 (with --quick 1/3)")
+    parser.add_argument("--minutes", type=float, default=None, help="default 60 (with --quick 5)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="stop after this many trainer steps too (default: only the clock; with --quick 2)")
     parser.add_argument("--kill-rate", type=float, default=None, help="per generate call (default 0.02)")
     parser.add_argument("--slow-rate", type=float, default=0.05, help="per generate call")
     parser.add_argument("--slow-s", type=float, default=None, help="default 3.0")
@@ -56,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="the run's outputs (default runs/soak, with --quick soak-run/ in the output directory)")
     parser.add_argument("--no-console", action="store_true", help="no live display")
     args = parser.parse_args(argv)
-    defaults = QUICK if args.quick else dict(minutes=60.0, kill_rate=0.02, slow_s=3.0, poison_rate=0.02)
+    defaults = QUICK if args.quick else dict(minutes=60.0, steps=1_000_000, kill_rate=0.02, slow_s=3.0, poison_rate=0.02)
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -68,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     chaos = {"seed": args.seed, "kill_rate": args.kill_rate, "slow_rate": args.slow_rate, "slow_s": args.slow_s,
              "poison_rate": args.poison_rate}
     cfg = load_config("tiny_mixed.yaml", [
-        f"seed={args.seed}", "steps=1000000", f"output_dir={run_dir}", f"logging.jsonl_path={run_dir}/metrics.jsonl",
+        f"seed={args.seed}", f"steps={args.steps}", f"output_dir={run_dir}", f"logging.jsonl_path={run_dir}/metrics.jsonl",
         f"checkpointing.directory={run_dir}/checkpoints", "checkpointing.every=25",
         f"fleet.chaos={json.dumps(chaos)}", "fleet.restart={max_per_replica: 1000, delay_s: 2.0}",
         "environment.options.eval.every=0", f"logging.console={str(not args.no_console).lower()}",
