@@ -26,7 +26,7 @@ over repeats.
                                             [--quick]
 
 Writes ``async_overlap.json`` and ``async_overlap.png`` to ``--out``. ``--quick``: 2 steps, 1
-repeat, no warm-up runs, two of the six pools, batches of 2 groups x 2 rollouts of at most 16 new
+repeat, no warm-up runs, one of the six pools, batches of 2 groups x 2 rollouts of at most 16 new
 tokens, ``--work`` under the output directory (``async_overlap-work/``).
 """
 
@@ -51,8 +51,7 @@ from hetrl.orchestrator.local import LocalOrchestrator
 ARMS = {"async": [], "sync": ["async.max_staleness=0"]}
 QUICK_OVERRIDES = [
     "async.batch_groups=2", "async.group_size=2", "async.max_new_tokens=16",
-    "fleet.pools=[{name: h100-fp8, accelerator: h100, weight_precision: fp8_e4m3, kv_precision: fp8_e4m3},"
-    " {name: a100-bf16, accelerator: a100, weight_precision: bf16, kv_precision: bf16}]",
+    "fleet.pools=[{name: a100-bf16, accelerator: a100, weight_precision: bf16, kv_precision: bf16}]",
 ]
 
 
