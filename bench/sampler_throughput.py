@@ -1,8 +1,8 @@
 """Embedded JAX sampler throughput against transformers and SGLang, and its step time against the memory-bandwidth floor.
 
 Peers: Hugging Face ``transformers`` ``generate`` and a real SGLang server (through hetrl's
-SGLang pool client). All run the same tiny Qwen3 checkpoint on the CPU in float32 (the embedded sampler with the
-exact ``fp32`` reference profile, transformers in torch eager mode, SGLang 0.5.23's CPU engine
+SGLang pool client). All run the same tiny Qwen3 checkpoint on the CPU in float32 (the embedded
+sampler with the exact ``fp32`` reference profile, transformers in torch eager mode, SGLang 0.5.23's CPU engine
 with torch-native attention from ``.venv-sglang``, see tests/sglang_server/) with the same
 sampling (temperature 1, top_k 50, top_p 0.95), at batch sizes 1 / 8 / 32, prompts of 64 random
 tokens and exactly 128 new tokens (no stop token; transformers gets ``min_new_tokens=128``,
@@ -32,7 +32,8 @@ measured in the same run, before and after the timed phase: a copy of a 1 GiB fl
 array into another, bytes read + written / time, best of 5, on one thread and with the array
 split over one thread per core (numpy's copy releases the GIL); the floor uses the best figure.
 Step time = the embedded engine's median call time / new tokens (prefill included, so it is an
-upper bound on a decode step); ratio = step time / floor (1.0 would be memory speed).
+upper bound on a decode step); ratio = step time / floor (1.0 would be memory speed; a step whose
+bytes fit in the last-level cache can come out below 1, as the floor is DRAM's).
 
     .venv/bin/python bench/sampler_throughput.py [--repeats 5] [--out bench/results] [--no-sglang] [--quick]
 
