@@ -30,7 +30,7 @@ train: $(STAMP)
 	$(VENV)/bin/hetrl train
 
 bench: $(STAMP)
-	$(PY) bench/correction_overhead.py
+	$(VENV)/bin/hetrl bench correction_overhead
 
 clean:
 	rm -rf $(VENV) .venv-sglang .pytest_cache .hypothesis

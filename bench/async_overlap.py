@@ -23,13 +23,15 @@ alike. Ratio = sync / async wall time per repeat (> 1: async is faster), summari
 over repeats.
 
     .venv/bin/python bench/async_overlap.py [--steps 8] [--repeats 3] [--config tiny_mixed.yaml] [--out bench/results]
+                                            [--quick]
 
-Writes ``async_overlap.json`` and ``async_overlap.png`` to ``--out``.
+Writes ``async_overlap.json`` and ``async_overlap.png`` to ``--out``. ``--quick``: 2 steps, 1
+repeat, no warm-up runs, one of the six pools, batches of 2 groups x 2 rollouts of at most 16 new
+tokens, ``--work`` under the output directory (``async_overlap-work/``).
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -42,20 +44,26 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from hetrl.bench_command import output_dir, script_parser
 from hetrl.config import load_config
 from hetrl.models.resolve import resolve_model
 from hetrl.orchestrator.local import LocalOrchestrator
 
 ARMS = {"async": [], "sync": ["async.max_staleness=0"]}
+QUICK_OVERRIDES = [
+    "async.batch_groups=2", "async.group_size=2", "async.max_new_tokens=16",
+    "fleet.pools=[{name: a100-bf16, accelerator: a100, weight_precision: bf16, kv_precision: bf16}]",
+]
 
 
-def run_arm(config: str, arm: str, steps: int, rep: int, work: pathlib.Path, model_dir: pathlib.Path) -> dict:
+def run_arm(config: str, arm: str, steps: int, rep: int, work: pathlib.Path, model_dir: pathlib.Path,
+            overrides: list[str]) -> dict:
     """One run of ``arm``; its figures from the run's history and summary."""
     out = work / f"{arm}-{rep}"
     cfg = load_config(config, [
         f"output_dir={out}", "checkpointing.every=0",
         f"steps={steps}", f"model={{path: {model_dir}}}",
-        "environment.options={eval: {every: 0}}", *ARMS[arm],
+        "environment.options={eval: {every: 0}}", *overrides, *ARMS[arm],
     ])
     start = time.perf_counter()
     result = LocalOrchestrator(cfg, console=False).run()
@@ -102,15 +110,20 @@ def plot(runs: list[dict], ratios: list[float], path: pathlib.Path, title: str) 
     plt.close(fig)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = script_parser(__doc__)
     parser.add_argument("--config", default="tiny_mixed.yaml")
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--work", type=pathlib.Path, default=pathlib.Path("runs/bench_async_overlap"),
-                        help="run outputs, the shared model checkpoint and the compilation cache")
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(__file__).parent / "results")
-    args = parser.parse_args()
+    parser.add_argument("--steps", type=int, default=None, help="default 8 (with --quick 2)")
+    parser.add_argument("--repeats", type=int, default=None, help="default 3 (with --quick 1)")
+    parser.add_argument("--work", type=pathlib.Path, default=None,
+                        help="run outputs, the shared model checkpoint and the compilation cache "
+                             "(default runs/bench_async_overlap, with --quick async_overlap-work/ in the output directory)")
+    args = parser.parse_args(argv)
+    args.steps = args.steps or (2 if args.quick else 8)
+    args.repeats = args.repeats or (1 if args.quick else 3)
+    out = output_dir(args, __file__)
+    args.work = args.work or (out / "async_overlap-work" if args.quick else pathlib.Path("runs/bench_async_overlap"))
+    overrides = QUICK_OVERRIDES if args.quick else []
     if args.steps < 2 or args.repeats < 1:
         parser.error("--steps must be >= 2 (the timed window is steps 2..N) and --repeats >= 1")
     console = Console(width=140)
@@ -119,20 +132,21 @@ def main() -> None:
 
     jax.config.update("jax_compilation_cache_dir", str((args.work / "jax-cache").resolve()))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    base = load_config(args.config)
+    base = load_config(args.config, overrides)
     model_dir = resolve_model(base.model, args.work / "model").resolve()  # built once, shared by every run
 
     runs: list[dict] = []
     with Progress(console=console) as progress:
-        task = progress.add_task("async vs sync runs (interleaved)", total=2 * args.repeats + 2)
-        for arm in ARMS:  # warm-up: fill the compilation caches, not timed
+        warmups = [] if args.quick else list(ARMS)
+        task = progress.add_task("async vs sync runs (interleaved)", total=2 * args.repeats + len(warmups))
+        for arm in warmups:  # warm-up: fill the compilation caches, not timed
             progress.update(task, description=f"warm-up: {arm}")
-            run_arm(args.config, arm, 2, -1, args.work, model_dir)
+            run_arm(args.config, arm, 2, -1, args.work, model_dir, overrides)
             progress.advance(task)
         for rep in range(args.repeats):
             for arm in (("async", "sync") if rep % 2 == 0 else ("sync", "async")):
                 progress.update(task, description=f"repeat {rep + 1}/{args.repeats}: {arm}")
-                runs.append(run_arm(args.config, arm, args.steps, rep, args.work, model_dir))
+                runs.append(run_arm(args.config, arm, args.steps, rep, args.work, model_dir, overrides))
                 progress.advance(task)
 
     def pick(arm: str, rep: int) -> dict:
@@ -154,17 +168,16 @@ def main() -> None:
     console.print(f"median ratio sync/async: total {statistics.median(total_ratios):.2f}x, "
                   f"steps 2..N {statistics.median(ratios):.2f}x")
 
-    args.out.mkdir(parents=True, exist_ok=True)
     meta = dict(date=datetime.date.today().isoformat(), machine=platform.machine(), cores=os.cpu_count(),
-                config=args.config, steps=args.steps, repeats=args.repeats, jax=jax.__version__,
+                quick=args.quick, config=args.config, steps=args.steps, repeats=args.repeats, jax=jax.__version__,
                 batch_groups=base.async_.batch_groups, group_size=base.async_.group_size,
                 pools=[p.name for p in base.fleet.pools], async_max_staleness=base.async_.max_staleness)
     summary = dict(ratio_window=ratios, ratio_total=total_ratios, median_ratio_window=statistics.median(ratios),
                    median_ratio_total=statistics.median(total_ratios))
-    (args.out / "async_overlap.json").write_text(json.dumps({"meta": meta, "summary": summary, "runs": runs}, indent=1))
-    plot(runs, total_ratios, args.out / "async_overlap.png",
+    (out / "async_overlap.json").write_text(json.dumps({"meta": meta, "summary": summary, "runs": runs}, indent=1))
+    plot(runs, total_ratios, out / "async_overlap.png",
          f"{args.config}, {args.steps} steps x {base.async_.batch_groups * base.async_.group_size} rollouts")
-    console.print(f"wrote {args.out / 'async_overlap.json'} and {args.out / 'async_overlap.png'}")
+    console.print(f"wrote {out / 'async_overlap.json'} and {out / 'async_overlap.png'}")
 
 
 if __name__ == "__main__":

@@ -1,19 +1,21 @@
-"""Cost of the off-policy correction: forward+backward time of the ``hetrl`` preset loss against a
-plain token log-prob loss, in jax (jit) and torch (eager autograd), at a few [B, L, V, K] sizes.
+"""Cost of the off-policy correction: the ``hetrl`` preset loss against a plain token log-prob loss.
 
-Both losses start from the same logits [B, L, V] and apply the sampling temperature; the plain one
+Forward+backward time of both, in jax (jit) and torch (eager autograd), at a few [B, L, V, K]
+sizes. Both losses start from the same logits [B, L, V] and apply the sampling temperature; the plain one
 is ``-A · log_softmax(z/T)[a]`` token-mean, the corrected one is
 ``hetrl.core.correction.policy_loss`` with ``PRESETS["hetrl"]`` (replay over a kept support of K
 ids, token + geometric MIS, score centering) plus its per-token statistics. The two are timed
 interleaved (alternating which goes first), and compared by the median of the per-pair ratios,
 so machine load shifts both alike.
 
-    .venv/bin/python bench/correction_overhead.py [--repeats 15] [--out bench/results]
+    .venv/bin/python bench/correction_overhead.py [--repeats 15] [--out bench/results] [--quick]
+
+Writes ``correction_overhead.json`` and ``correction_overhead.png`` to ``--out``. ``--quick``:
+one size (2 x 64 x 1024, K 16), 3 repeats.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
@@ -28,6 +30,7 @@ from rich.console import Console  # noqa: E402
 from rich.progress import Progress  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from hetrl.bench_command import output_dir, script_parser  # noqa: E402
 from hetrl.core.correction import PRESETS, LossInputs, policy_loss  # noqa: E402
 
 SIZES = [  # (B, L, V, K)
@@ -37,6 +40,7 @@ SIZES = [  # (B, L, V, K)
     (2, 256, 65536, 64),
     (1, 256, 151936, 64),  # Qwen3 vocabulary
 ]
+QUICK_SIZES = [(2, 64, 1024, 16)]
 
 
 def make_arrays(B: int, L: int, V: int, K: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -114,13 +118,20 @@ def time_pair(plain, hetrl, repeats: int) -> tuple[float, float, float]:
     return statistics.median(tp), statistics.median(th), statistics.median(h / p for h, p in zip(th, tp))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(__file__).parent / "results")
+def main(argv: list[str] | None = None) -> None:
+    parser = script_parser(__doc__)
+    parser.add_argument("--repeats", type=int, default=None, help="timed pairs (default 15, with --quick 3)")
     parser.add_argument("--sizes", type=str, default=None, help="e.g. '4x256x32768x64,2x128x8192x16'")
-    args = parser.parse_args()
-    sizes = SIZES if not args.sizes else [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
+    args = parser.parse_args(argv)
+    try:
+        sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")] if args.sizes else None
+    except ValueError:
+        parser.error(f"--sizes {args.sizes!r}: expected comma-separated BxLxVxK, e.g. 4x256x32768x64")
+    if sizes and any(len(s) != 4 for s in sizes):
+        parser.error(f"--sizes {args.sizes!r}: every size needs four numbers BxLxVxK")
+    sizes = sizes or (QUICK_SIZES if args.quick else SIZES)
+    repeats = args.repeats or (3 if args.quick else 15)
+    out = output_dir(args, __file__)
 
     rows = []
     with Progress() as progress:
@@ -129,7 +140,7 @@ def main() -> None:
             arrays = make_arrays(*size)
             for backend, make in (("jax", jax_fns), ("torch", torch_fns)):
                 progress.update(task, description=f"{backend} B,L,V,K={size}")
-                plain_s, hetrl_s, ratio = time_pair(*make(arrays), args.repeats)
+                plain_s, hetrl_s, ratio = time_pair(*make(arrays), repeats)
                 rows.append(dict(backend=backend, B=size[0], L=size[1], V=size[2], K=size[3],
                                  plain_ms=plain_s * 1e3, hetrl_ms=hetrl_s * 1e3, overhead=ratio - 1))
                 progress.advance(task)
@@ -142,15 +153,15 @@ def main() -> None:
                       f"{100 * r['overhead']:+.1f}%")
     Console().print(table)
 
-    args.out.mkdir(parents=True, exist_ok=True)
     meta = dict(date=time.strftime("%Y-%m-%d"), machine=platform.processor() or platform.machine(),
-                cores=os.cpu_count(), repeats=args.repeats)
-    (args.out / "correction_overhead.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+                cores=os.cpu_count(), repeats=repeats, quick=args.quick)
+    (out / "correction_overhead.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     print("| backend | B | L | V | K | plain ms | hetrl ms | overhead |\n|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['backend']} | {r['B']} | {r['L']} | {r['V']} | {r['K']} | {r['plain_ms']:.1f} | "
               f"{r['hetrl_ms']:.1f} | {100 * r['overhead']:+.1f}% |")
-    plot(rows, args.out / "correction_overhead.png")
+    plot(rows, out / "correction_overhead.png")
+    print(f"wrote {out / 'correction_overhead.json'} and {out / 'correction_overhead.png'}")
 
 
 def plot(rows, path: pathlib.Path) -> None:

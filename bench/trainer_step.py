@@ -1,7 +1,7 @@
-"""Training-step throughput of the JAX trainer against the Megatron trainer, and each one's
-model-FLOPs utilization (MFU) against this machine's matmul peak measured in the same run.
+"""Training step of the JAX trainer against the Megatron trainer, with each one's MFU against the measured matmul peak.
 
-One step = forward + backward + AdamW update (global-norm clipping at 1.0) with the ``hetrl``
+Throughput and model-FLOPs utilization (MFU) against this machine's matmul peak measured in the
+same run. One step = forward + backward + AdamW update (global-norm clipping at 1.0) with the ``hetrl``
 correction preset (mask replay over a kept support of 8 ids, token + geometric MIS, score
 centering), on the same model and the same batch: a Qwen3 layout with hidden 512, 4 layers,
 8 query / 4 KV heads of dim 64, intermediate 1536, vocabulary 8192, untied (21.0M parameters,
@@ -33,14 +33,15 @@ repeat. On a shared machine torch's OpenMP threads stall now and then (a step ca
 times the usual), so the best repeat is reported too, with an MFU of best step against best
 matmul.
 
-    .venv/bin/python bench/trainer_step.py [--repeats 7] [--dtypes fp32,bf16] [--out bench/results]
+    .venv/bin/python bench/trainer_step.py [--repeats 7] [--dtypes fp32,bf16] [--out bench/results] [--quick]
 
-Writes ``trainer_step.json`` and ``trainer_step.png`` to ``--out``.
+Writes ``trainer_step.json`` (with the load averages before and after) and ``trainer_step.png``
+to ``--out``. ``--quick``: a 0.1M-parameter model (hidden 64, 1 layer), 2 rows x 32 positions,
+a 256 x 256 matmul peak, 2 repeats, both dtypes.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -49,6 +50,7 @@ import platform
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -58,16 +60,32 @@ from rich.table import Table
 
 from hetrl.models import ModelConfig
 from hetrl.models.tiny import build_tiny_checkpoint
-from hetrl.parity import claim_master_port, random_batch
+from hetrl.bench_command import output_dir, script_parser
+from hetrl.parity import random_batch
+
+
+@dataclass(frozen=True)
+class Size:
+    """What one run measures: the model, the batch (``rows`` x prompt + response tokens) and the
+    side of the square matmul that measures the peak."""
+
+    model: ModelConfig
+    rows: int
+    prompt_len: int
+    response_len: int
+    peak_n: int
+
 
 BENCH_MODEL = ModelConfig(
     model_type="qwen3", vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
     num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=1024,
     rope_theta=10_000.0, tie_word_embeddings=False, eos_token_id=2, pad_token_id=0,
 )
-ROWS, PROMPT_LEN, RESPONSE_LEN = 8, 32, 224  # S = 32 + 224 − 1 = 255 positions, padded to 256
+FULL = Size(BENCH_MODEL, rows=8, prompt_len=32, response_len=224, peak_n=2048)  # S = 255 positions, padded to 256
+QUICK = Size(BENCH_MODEL.model_copy(update=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                                num_attention_heads=2, num_key_value_heads=1, head_dim=32)),
+             rows=2, prompt_len=8, response_len=24, peak_n=256)
 OPTIMIZER = dict(learning_rate=1e-5, grad_clip=1.0)
-PEAK_N = 2048
 
 
 def matmul_parameters(config: ModelConfig) -> int:
@@ -85,7 +103,7 @@ def step_flops(config: ModelConfig, rows: int, positions: int) -> float:
 
 
 # ====================================================================== timed work
-def matmul_fns(dtype: str, n: int = PEAK_N) -> dict[str, Callable[[], object]]:
+def matmul_fns(dtype: str, n: int) -> dict[str, Callable[[], object]]:
     """``{"jax matmul": fn, "torch matmul": fn}``: one n x n by n x n product each (2 n³ FLOPs)."""
     import jax
     import jax.numpy as jnp
@@ -105,7 +123,6 @@ def step_fns(checkpoint: pathlib.Path, dtype: str, batch) -> dict[str, Callable[
     from hetrl.trainer_jax import JaxTrainer, JaxTrainerConfig, MeshConfig
     from hetrl.trainer_megatron import MegatronTrainer, MegatronTrainerConfig
 
-    claim_master_port()
     jax_config = JaxTrainerConfig(compute_dtype=dtype, mesh=MeshConfig(data=1, fsdp=1, tensor=1),
                                   correction_preset="hetrl", optimizer=OPTIMIZER)
     megatron_config = MegatronTrainerConfig(bf16=dtype == "bf16", correction_preset="hetrl", optimizer=OPTIMIZER)
@@ -130,7 +147,7 @@ def time_interleaved(fns: dict[str, Callable[[], object]], repeats: int, progres
 
 
 # ====================================================================== output
-def plot(rows: list[dict], peaks: dict, path: pathlib.Path) -> None:
+def plot(rows: list[dict], peaks: dict, size: Size, positions: int, path: pathlib.Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -152,39 +169,44 @@ def plot(rows: list[dict], peaks: dict, path: pathlib.Path) -> None:
     right.set_title("model-FLOPs utilization")
     for ax in (left, right):
         ax.legend()
-    fig.suptitle(f"JAX vs Megatron trainer step, {ROWS}x256 tokens, {BENCH_MODEL.parameter_count() / 1e6:.1f}M params")
+    fig.suptitle(f"JAX vs Megatron trainer step, {size.rows}x{positions} tokens, "
+                 f"{size.model.parameter_count() / 1e6:.1f}M params")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=7)
+def main(argv: list[str] | None = None) -> None:
+    parser = script_parser(__doc__)
+    parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 7, with --quick 2)")
     parser.add_argument("--dtypes", default="fp32,bf16", help="comma-separated subset of fp32,bf16")
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(__file__).parent / "results")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     dtypes = args.dtypes.split(",")
     unknown = sorted(set(dtypes) - {"fp32", "bf16"})
     if unknown:
         parser.error(f"--dtypes: unknown dtype(s) {unknown}; choose from fp32, bf16")
+    size = QUICK if args.quick else FULL
+    repeats = args.repeats or (2 if args.quick else 7)
+    out = output_dir(args, __file__)
 
-    batch = random_batch(BENCH_MODEL, seed=0, rows=ROWS, prompt_lengths=(PROMPT_LEN, PROMPT_LEN),
-                         response_lengths=(RESPONSE_LEN, RESPONSE_LEN))
+    load_before = os.getloadavg()
+    batch = random_batch(size.model, seed=0, rows=size.rows, prompt_lengths=(size.prompt_len, size.prompt_len),
+                         response_lengths=(size.response_len, size.response_len))
     positions = int(batch.input_ids.shape[1])
-    tokens = ROWS * positions
-    flops = step_flops(BENCH_MODEL, ROWS, positions)
+    tokens = size.rows * positions
+    flops = step_flops(size.model, size.rows, positions)
+    n = size.peak_n
     rows, raw, peaks = [], {}, {}
     with tempfile.TemporaryDirectory() as tmp, Progress() as progress:
-        checkpoint = build_tiny_checkpoint(pathlib.Path(tmp) / "bench", BENCH_MODEL, seed=0, init_std=0.02)
-        task = progress.add_task("building", total=len(dtypes) * args.repeats)
+        checkpoint = build_tiny_checkpoint(pathlib.Path(tmp) / "bench", size.model, seed=0, init_std=0.02)
+        task = progress.add_task("building", total=len(dtypes) * repeats)
         for dtype in dtypes:
             progress.update(task, description=f"{dtype}: building + warm-up")
-            fns = step_fns(checkpoint, dtype, batch) | matmul_fns(dtype)
+            fns = step_fns(checkpoint, dtype, batch) | matmul_fns(dtype, n)
             progress.update(task, description=f"{dtype}: interleaved steps and matmuls")
-            times = raw[dtype] = time_interleaved(fns, args.repeats, progress, task)
-            peaks[dtype] = {lib: 2.0 * PEAK_N**3 / statistics.median(times[f"{lib} matmul"]) for lib in ("jax", "torch")}
+            times = raw[dtype] = time_interleaved(fns, repeats, progress, task)
+            peaks[dtype] = {lib: 2.0 * n**3 / statistics.median(times[f"{lib} matmul"]) for lib in ("jax", "torch")}
             peaks[dtype]["machine"] = max(peaks[dtype]["jax"], peaks[dtype]["torch"])
-            peaks[dtype]["machine_best"] = max(2.0 * PEAK_N**3 / min(times[f"{lib} matmul"]) for lib in ("jax", "torch"))
+            peaks[dtype]["machine_best"] = max(2.0 * n**3 / min(times[f"{lib} matmul"]) for lib in ("jax", "torch"))
             for name in ("jax", "megatron"):
                 median, best = statistics.median(times[name]), min(times[name])
                 speed = statistics.median(m / t for t, m in zip(times[name], times["megatron"]))
@@ -195,7 +217,7 @@ def main() -> None:
             del fns
 
     console = Console()
-    table = Table(title=f"training step, {ROWS}x{positions} tokens, model FLOPs {flops / 1e9:.1f} GFLOP/step")
+    table = Table(title=f"training step, {size.rows}x{positions} tokens, model FLOPs {flops / 1e9:.1f} GFLOP/step")
     for col in ("trainer", "dtype", "step s (median / best)", "tokens/s (median / best)", "speed vs megatron", "GFLOP/s",
                 "MFU (median / best)"):
         table.add_column(col, justify="right")
@@ -204,7 +226,7 @@ def main() -> None:
                       f"{r['tokens_per_s']:.0f} / {r['best_tokens_per_s']:.0f}", f"{r['speed_vs_megatron']:.2f}x",
                       f"{r['achieved_flops'] / 1e9:.1f}", f"{100 * r['mfu']:.1f}% / {100 * r['mfu_best']:.1f}%")
     console.print(table)
-    peak_table = Table(title=f"matmul peak, {PEAK_N}x{PEAK_N} @ {PEAK_N}x{PEAK_N}")
+    peak_table = Table(title=f"matmul peak, {n}x{n} @ {n}x{n}")
     for col in ("dtype", "jax GFLOP/s", "torch GFLOP/s", "machine peak GFLOP/s (median / best)"):
         peak_table.add_column(col, justify="right")
     for dtype, p in peaks.items():
@@ -212,13 +234,14 @@ def main() -> None:
                            f"{p['machine'] / 1e9:.1f} / {p['machine_best'] / 1e9:.1f}")
     console.print(peak_table)
 
-    args.out.mkdir(parents=True, exist_ok=True)
     meta = dict(date=datetime.date.today().isoformat(), machine=platform.machine(), cores=os.cpu_count(),
-                repeats=args.repeats, rows=ROWS, positions=positions, tokens=tokens, model=BENCH_MODEL.model_dump(),
-                parameters=BENCH_MODEL.parameter_count(), matmul_parameters=matmul_parameters(BENCH_MODEL),
-                step_flops=flops, peak_matmul_n=PEAK_N)
-    (args.out / "trainer_step.json").write_text(json.dumps(dict(meta=meta, peaks=peaks, rows=rows, step_times_s=raw), indent=1))
-    plot(rows, peaks, args.out / "trainer_step.png")
+                quick=args.quick, repeats=repeats, rows=size.rows, positions=positions, tokens=tokens,
+                model=size.model.model_dump(), parameters=size.model.parameter_count(),
+                matmul_parameters=matmul_parameters(size.model), step_flops=flops, peak_matmul_n=n,
+                load_average_1_5_15min=dict(before=load_before, after=os.getloadavg()))
+    (out / "trainer_step.json").write_text(json.dumps(dict(meta=meta, peaks=peaks, rows=rows, step_times_s=raw), indent=1))
+    plot(rows, peaks, size, positions, out / "trainer_step.png")
+    console.print(f"wrote {out / 'trainer_step.json'} and {out / 'trainer_step.png'}")
 
 
 if __name__ == "__main__":

@@ -28,11 +28,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "warmstart": ("hetrl.warmstart.command", "train the tiny policy from scratch on solved tasks (the RL starting point)"),
     "parity": ("hetrl.parity", "cross-backend numerical parity on one checkpoint (log-probs, loss, AdamW update)"),
     "experiment": ("hetrl.experiment.command", "run an experiment grid (arms x seeds) and write its report"),
+    "bench": ("hetrl.bench_command", "run a benchmark of the repository's bench/ (--list names them; NAME --quick)"),
 }
 
 NOT_YET = {
     "fleet": "fleet inspection (needs the samplers)",
-    "bench": "benchmark dispatch (run the scripts in bench/ directly for now)",
 }
 
 
