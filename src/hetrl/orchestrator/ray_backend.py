@@ -89,6 +89,7 @@ class RaySampler:
         self.actor = actor
         self._weights = weights
         self._info: SamplerInfo | None = None
+        self._supports_reseed: bool | None = None
 
     @property
     def info(self) -> SamplerInfo:
@@ -104,6 +105,13 @@ class RaySampler:
 
     def health(self) -> SamplerHealth:
         return ray.get(self.actor.call.remote("health"))
+
+    @property
+    def supports_reseed(self) -> bool:
+        """Whether the hosted sampler can reseed (asked once)."""
+        if self._supports_reseed is None:
+            self._supports_reseed = ray.get(self.actor.attribute.remote("supports_reseed"))
+        return self._supports_reseed
 
     def reseed(self, seed: int) -> None:
         ray.get(self.actor.call.remote("reseed", seed))
