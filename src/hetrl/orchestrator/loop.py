@@ -5,7 +5,7 @@ A backend (:mod:`hetrl.orchestrator.local`: in-process; :mod:`hetrl.orchestrator
 Ray actors) only decides where the samplers and the trainer run and how calls reach them: it
 implements :meth:`AsyncOrchestrator._create_sampler` (an object with the
 :class:`hetrl.samplers.base.Sampler` protocol, built by :func:`build_embedded_sampler`) and
-:meth:`AsyncOrchestrator._create_trainer` (a :class:`TrainerHandle`, built by
+:meth:`AsyncOrchestrator._create_trainer` (a :class:`hetrl.orchestrator.trainer_handle.TrainerHandle`, built by
 :func:`build_trainer`: the JAX or the Megatron trainer, as ``trainer.kind`` says), and may start
 and stop its machinery. Everything below is the same
 for all backends.
@@ -88,7 +88,7 @@ import time
 import zlib
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -96,7 +96,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from hetrl.config import ConfigError, RunConfig
 from hetrl.core.admission import RolloutGate
 from hetrl.core.buffer import RolloutBuffer, RolloutGroup
-from hetrl.core.schema import RolloutBatch, SamplingParams, collate
+from hetrl.core.schema import SamplingParams, collate
 from hetrl.envs.base import ChatFormat, Task
 from hetrl.envs.coding import CodingEnv, CodingEnvConfig
 from hetrl.envs.sandbox import Sandbox
@@ -107,6 +107,7 @@ from hetrl.orchestrator.evaluation import evaluate_tasks
 from hetrl.orchestrator.ledger import Closed, GroupLedger, GroupSpec
 from hetrl.orchestrator.report import LiveDisplay, MetricsWriter, write_plots
 from hetrl.orchestrator.tasks import TaskSource
+from hetrl.orchestrator.trainer_handle import TrainerHandle
 from hetrl.samplers.base import Generation, GenerationRequest, Sampler, can_reseed, reseed
 from hetrl.samplers.faults import ChaosLedger, ChaosSampler
 from hetrl.samplers.fleet import Fleet, JobResult, PoolConfig, Replica
@@ -116,8 +117,8 @@ if TYPE_CHECKING:
     from hetrl.trainer_jax.config import JaxTrainerConfig
     from hetrl.trainer_megatron.config import MegatronTrainerConfig
 
-__all__ = ["EvalOptions", "SyntheticEnvOptions", "TrainerHandle", "AsyncOrchestrator", "RunResult",
-           "SamplerWrapper", "Retracted", "build_embedded_sampler", "build_trainer", "SAMPLER_BATCH", "write_atomic"]
+__all__ = ["EvalOptions", "SyntheticEnvOptions", "AsyncOrchestrator", "RunResult",
+           "SamplerWrapper", "Retracted", "build_embedded_sampler", "SAMPLER_BATCH", "write_atomic"]
 
 log = logging.getLogger(__name__)
 
@@ -164,28 +165,6 @@ class SyntheticEnvOptions(BaseModel):
     coding: CodingEnvConfig = CodingEnvConfig()
 
 
-class TrainerHandle(Protocol):
-    """What the loop needs from the trainer (:class:`hetrl.trainer_jax.trainer.JaxTrainer`, or a
-    proxy to one in another process)."""
-
-    @property
-    def version(self) -> int: ...
-
-    def train_step(self, batch: RolloutBatch, old_logprobs: np.ndarray | None = None) -> dict[str, float]: ...
-
-    def logprobs(self, batch: RolloutBatch) -> np.ndarray: ...
-
-    def export_hf_weights(self) -> dict[str, np.ndarray]: ...
-
-    def save(self, *, force: bool = True) -> bool: ...
-
-    def restore(self) -> int: ...
-
-    def checkpoint_steps(self) -> list[int]: ...
-
-    def close(self) -> None: ...
-
-
 def build_embedded_sampler(model_dir: str | pathlib.Path, numerics: SamplerNumerics, *, pool: str, seed: int) -> Sampler:
     """The embedded sampler of one replica (or of the evaluation) over the checkpoint in
     ``model_dir``: ``SAMPLER_BATCH`` rows per compiled generate call."""
@@ -193,21 +172,6 @@ def build_embedded_sampler(model_dir: str | pathlib.Path, numerics: SamplerNumer
 
     return EmbeddedSampler.from_checkpoint(model_dir, numerics, pool=pool, seed=seed, max_batch=SAMPLER_BATCH,
                                            batch_buckets=(SAMPLER_BATCH,))
-
-
-def build_trainer(model_dir: str | pathlib.Path, config: "JaxTrainerConfig | MegatronTrainerConfig") -> TrainerHandle:
-    """The trainer ``config`` configures (:class:`hetrl.trainer_jax.trainer.JaxTrainer` or
-    :class:`hetrl.trainer_megatron.trainer.MegatronTrainer`), initialized from the HF
-    checkpoint in ``model_dir``."""
-    from hetrl.trainer_megatron.config import MegatronTrainerConfig
-
-    if isinstance(config, MegatronTrainerConfig):
-        from hetrl.trainer_megatron.trainer import MegatronTrainer
-
-        return MegatronTrainer.from_hf(model_dir, config)
-    from hetrl.trainer_jax.trainer import JaxTrainer
-
-    return JaxTrainer.from_hf(model_dir, config)
 
 
 class Retracted(Exception):
@@ -368,7 +332,6 @@ class AsyncOrchestrator(abc.ABC):
             if state.exists():
                 self._resume_state = json.loads(state.read_text())
             self._resumed_history = _truncate_metrics(self.metrics_path, step)
-        self._published = self.trainer.version
         if self.trainer.version > 0:
             self.fleet.publish_weights(self.trainer.version, self.trainer.export_hf_weights())
 
@@ -435,7 +398,7 @@ class AsyncOrchestrator(abc.ABC):
     def _retract_if_stale(self, version: int) -> None:
         """Under ``weight_update: abort``, raise :class:`Retracted` if weights newer than
         ``version`` were published."""
-        if self.config.async_.weight_update == "abort" and version < self._published:
+        if self.config.async_.weight_update == "abort" and version < self.fleet.published_version:
             raise Retracted
 
     def _continue_fn(self, replica: Replica) -> Callable[[Sequence[GenerationRequest]], list[Generation]]:
@@ -668,7 +631,6 @@ class AsyncOrchestrator(abc.ABC):
                     weights = self.trainer.export_hf_weights()
                     self.fleet.publish_weights(self.trainer.version, weights)
                     with self._lock:
-                        self._published = self.trainer.version
                         self.ledger.train(((g.group_id, g.pool, g.min_version) for g in groups), version)
                     self._top_up()  # the trained batch no longer counts: sample the next at once
                     self.fleet.record_mismatch(metrics)

@@ -40,7 +40,8 @@ import numpy as np
 import ray
 
 from hetrl.core.schema import RolloutBatch, SamplerInfo
-from hetrl.orchestrator.loop import AsyncOrchestrator, TrainerHandle, build_embedded_sampler, build_trainer
+from hetrl.orchestrator.loop import AsyncOrchestrator, build_embedded_sampler
+from hetrl.orchestrator.trainer_handle import TrainerHandle, build_trainer
 from hetrl.samplers.base import Generation, GenerationRequest, Sampler, SamplerHealth
 from hetrl.samplers.profiles import SamplerNumerics
 
