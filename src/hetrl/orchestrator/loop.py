@@ -37,7 +37,9 @@ embedded engine has no mid-turn cancel), so abort saves the later turns, not tha
 
 **Feeding and pacing.** Prompts cycle through the train functions of the synthetic coding suite,
 reshuffled every pass by ``seed``, each pass with fresh examples and hidden tests
-(:meth:`SyntheticSuite.train_pass`), so the policy learns to read examples, not one instance. At
+(:class:`hetrl.orchestrator.tasks.TaskSource`), so the policy learns to read examples, not one
+instance. Every group's state is recorded once, in the :class:`hetrl.orchestrator.ledger.GroupLedger`
+(only live groups hold memory, so a long run's memory does not grow with its passes). At
 most ``(max_staleness + 1) * batch_groups`` groups are outstanding (submitted and not yet trained
 or dropped, buffered ones included; a trained batch stops counting once its step is published), so
 no pool gets far ahead of the trainer; with ``max_staleness = 0`` this is the synchronous schedule
