@@ -8,6 +8,7 @@ from types import SimpleNamespace
 from hetrl.config import load_config
 from hetrl.core.buffer import RolloutBuffer
 from hetrl.orchestrator.local import LocalOrchestrator
+from hetrl.orchestrator.schedule import Driver, make_schedule
 from hetrl.samplers.base import SamplerHealth
 
 
@@ -41,7 +42,8 @@ class _Orchestrator(LocalOrchestrator):
 def test_a_restart_running_at_shutdown_is_joined_and_starts_no_worker(tmp_path):
     cfg = load_config("tiny_homogeneous.yaml", [f"output_dir={tmp_path}", "fleet.restart={delay_s: 0}"])
     orch = _Orchestrator(cfg, console=False)
-    orch.fleet, orch.buffer, orch._lockstep = _Fleet(cfg.fleet.pools[0]), RolloutBuffer(1), False
+    orch.fleet, orch.buffer = _Fleet(cfg.fleet.pools[0]), RolloutBuffer(1)
+    orch.schedule = make_schedule("async", orch.fleet, Driver(orch._top_up, orch._finish_group, orch._start_worker), 0)
     orch._lock, orch._stop, orch._threads, orch._errors = threading.RLock(), threading.Event(), [], []
     orch._restarting, orch._restart_attempts = set(), {}
     assert orch._restart_dead_replicas()  # a restart thread is building the sampler again

@@ -12,7 +12,8 @@ for all backends.
 
 Threads of the driver:
 
-* one **rollout worker per pool replica**: ``fleet.serve_once(replica)`` takes the first turn of
+* under the default ``async`` schedule (:mod:`hetrl.orchestrator.schedule`), one **rollout
+  worker per pool replica**: ``fleet.serve_once(replica)`` takes the first turn of
   groups routed to it; the worker then plays each group's episodes to the end on the same replica
   (:class:`hetrl.orchestrator.episodes.EpisodeRunner`), with rewards from the environment,
   passes every rollout through the :class:`hetrl.core.admission.RolloutGate` (malformed or
@@ -64,7 +65,7 @@ tokens, busy time and cost) continue. Metric records the interrupted run wrote a
 checkpoint are dropped from the JSONL (those steps are trained again; a new TensorBoard event
 file starts at the checkpoint's step). Under the default ``async`` schedule the samplers' random
 streams and the timing are not replayed, so a resumed run continues the same training, not the
-same samples. Under ``async.schedule: lockstep`` (:meth:`AsyncOrchestrator._lockstep_round`)
+same samples. Under ``async.schedule: lockstep`` (:class:`hetrl.orchestrator.schedule.LockstepSchedule`)
 nothing depends on timing, and a run resumed from any checkpoint reproduces the uninterrupted
 run exactly (every metric but wall-clock timings).
 
@@ -108,9 +109,10 @@ from hetrl.orchestrator.episodes import EpisodeRunner
 from hetrl.orchestrator.evaluation import evaluate_tasks
 from hetrl.orchestrator.ledger import Closed, GroupLedger, GroupSpec
 from hetrl.orchestrator.report import LiveDisplay, MetricsWriter, write_plots
+from hetrl.orchestrator.schedule import Driver, Schedule, make_schedule
 from hetrl.orchestrator.tasks import TaskSource
 from hetrl.orchestrator.trainer_handle import TrainerHandle
-from hetrl.samplers.base import Generation, GenerationRequest, Sampler, can_reseed, reseed
+from hetrl.samplers.base import Generation, GenerationRequest, Sampler, can_reseed
 from hetrl.samplers.faults import ChaosLedger, ChaosSampler
 from hetrl.samplers.fleet import Fleet, JobResult, PoolConfig, Replica
 from hetrl.samplers.profiles import SamplerNumerics, sampler_numerics
@@ -382,11 +384,8 @@ class AsyncOrchestrator(abc.ABC):
         self._next_gid += 1
         spec = GroupSpec(gid, task, self.tasks.prompt(task), time.monotonic())
         self.ledger.submit(spec)
-        pin = None
-        if a.schedule == "lockstep":  # group i on alive replica i mod n, in fleet order
-            alive = [r.key for r in self.fleet.replicas if r.alive]
-            pin = alive[int(gid[1:]) % len(alive)] if alive else None
-        self.fleet.submit(gid, self.runner.requests(gid, spec.prompt, a.group_size, a.sampling), replica=pin)
+        self.fleet.submit(gid, self.runner.requests(gid, spec.prompt, a.group_size, a.sampling),
+                          replica=self.schedule.pin(self._next_gid - 1))
 
     def _worker(self, replica: Replica) -> None:
         """Serve ``replica`` until stopped or dead; play each finished job's group and buffer it."""
@@ -466,24 +465,6 @@ class AsyncOrchestrator(abc.ABC):
             else:
                 self.ledger.close(spec.group_id, "refused")
 
-    def _lockstep_round(self) -> None:
-        """``schedule: lockstep``: submit what the step still needs, then, replica by replica in
-        fleet order, reseed it from (seed, trainer version, replica) and serve every job pinned
-        to it, playing each group to the end and buffering it, all in this thread. So the step's
-        groups, their samples and their order are a function of the run's state alone."""
-        self._top_up()
-        version, served = self.trainer.version, False
-        for r in self.fleet.replicas:
-            if not (r.alive and r.assigned):
-                continue
-            reseed(r.sampler, zlib.crc32(f"{self.config.seed}/{version}/{r.key}".encode()))
-            while r.alive and r.assigned:
-                for result in self.fleet.serve_once(r, timeout=0):
-                    served = True
-                    self._finish_group(r, result)
-        if not served:  # nothing to serve (replicas dead and restarting): do not spin
-            time.sleep(0.1)
-
     def _restart_dead_replicas(self) -> bool:
         """Start rebuilding each dead replica whose :class:`RestartPolicy` allows it (its pool not
         quarantined, restarts left, ``delay_s`` passed since it died), each in its own thread.
@@ -510,8 +491,8 @@ class AsyncOrchestrator(abc.ABC):
             health = sampler.health()
             if not health.healthy:
                 raise RuntimeError(f"unhealthy after restart: {health.detail}")
-            if self.fleet.revive(replica, sampler) and not self._lockstep:
-                self._start_thread(self._worker, replica, name=f"worker-{replica.key}")
+            if self.fleet.revive(replica, sampler):
+                self.schedule.revived(replica)
         except Exception as err:  # try again after the delay, while attempts remain
             log.warning("restarting replica %s failed: %s", replica.key, err)
             replica.died_at = time.monotonic()
@@ -519,6 +500,9 @@ class AsyncOrchestrator(abc.ABC):
                 self._errors.append(f"restart of {replica.key} failed: {err}")
         finally:
             self._restarting.discard(replica.key)
+
+    def _start_worker(self, replica: Replica) -> None:
+        self._start_thread(self._worker, replica, name=f"worker-{replica.key}")
 
     def _start_thread(self, target: Callable[[Replica], None], replica: Replica, *, name: str) -> None:
         """Start ``target(replica)`` in a thread :meth:`_shutdown` joins; none once it began."""
@@ -573,7 +557,8 @@ class AsyncOrchestrator(abc.ABC):
 
     def _train(self, t_start: float) -> RunResult:
         cfg = self.config
-        self._lockstep = cfg.async_.schedule == "lockstep"
+        self.schedule: Schedule = make_schedule(cfg.async_.schedule, self.fleet,
+                                                Driver(self._top_up, self._finish_group, self._start_worker), cfg.seed)
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self.tasks = TaskSource(self.suite, np.random.default_rng(cfg.seed), self.runner.prompt_ids)
@@ -598,9 +583,7 @@ class AsyncOrchestrator(abc.ABC):
         self._restarting: set[str] = set()
         self._restart_attempts: dict[str, int] = {}
         self._top_up()
-        if not self._lockstep:  # under lockstep the trainer's thread generates (_lockstep_round)
-            for r in self.fleet.replicas:
-                self._start_thread(self._worker, r, name=f"worker-{r.key}")
+        self.schedule.start()
         a = cfg.async_
         max_stale_seen = -1
         last_time, last_gen_tokens = time.monotonic(), 0.0
@@ -610,10 +593,9 @@ class AsyncOrchestrator(abc.ABC):
                     wait_start = time.monotonic()
                     groups: list[RolloutGroup] = []
                     while not groups and not self._stop_requested.is_set():
-                        if self._lockstep:
-                            self._lockstep_round()
+                        self.schedule.before_take(self.trainer.version)
                         groups = self.buffer.take(a.batch_groups, self.trainer.version,
-                                                  timeout=0.0 if self._lockstep else 0.5)
+                                                  timeout=self.schedule.take_timeout_s)
                         self._top_up()
                         restartable = self._restart_dead_replicas()
                         if not groups and not restartable and not any(r.alive for r in self.fleet.replicas):
