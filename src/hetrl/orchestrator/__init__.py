@@ -6,7 +6,10 @@ runs samplers and trainer in one process (threads), :mod:`hetrl.orchestrator.ray
 actors (the route to many machines); :func:`build_orchestrator` picks one from
 ``config.backend``. :mod:`hetrl.orchestrator.episodes` turns tasks and generations into validated
 rollouts; :mod:`hetrl.orchestrator.report` writes metrics (JSON lines and TensorBoard events via
-:mod:`hetrl.orchestrator.tb_events`), the live display and plots.
+:mod:`hetrl.orchestrator.tb_events`), the live display and plots. The loop's parts:
+:mod:`~hetrl.orchestrator.ledger` (every group's state), :mod:`~hetrl.orchestrator.tasks` (the
+train tasks in passes), :mod:`~hetrl.orchestrator.schedule` (async or lockstep generation) and
+:mod:`~hetrl.orchestrator.trainer_handle` (the trainer as the loop sees it).
 """
 
 from __future__ import annotations
