@@ -16,12 +16,15 @@ from factories import random_batch
 from hetrl.core.correction import (
     PRESETS,
     CorrectionConfig,
+    LOSS_FIELDS,
     LossInputs,
     correction_preset,
     grpo_advantages,
+    loss_inputs,
     mismatch_metrics,
     policy_loss,
     token_entropy,
+    token_logprobs,
 )
 
 CONFIGS = {
@@ -125,3 +128,28 @@ def test_gradients_agree_between_jax_and_torch_float32(name):
         assert np.abs(t_grad.numpy()).max() > 1e-4  # a real gradient, not all masked away
         np.testing.assert_allclose(np.asarray(j_grad), t_grad.numpy(), atol=1e-5, rtol=0, err_msg=f"seed {seed}")
         assert np.isfinite(t_grad.numpy()).all()
+
+
+@pytest.mark.parametrize("replay", [True, False])
+@pytest.mark.parametrize("backend", ["numpy", "jax", "torch"])
+def test_token_logprobs_are_the_loss_logprobs_in_every_namespace(backend, replay):
+    """The trainers' shared :func:`token_logprobs` (their PPO-clip ``old_logprobs``) equals the
+    ``log p(a_t)`` the loss uses, and :func:`loss_inputs` assembles the loss's inputs from a batch."""
+    config = correction_preset("hetrl", replay=replay)
+    for seed, batch, logits in batches():
+        x = make_inputs(batch, logits, backend, np.float64)
+        arrays = {name: CONVERT[backend](batch.arrays[name], np.float64) for name in LOSS_FIELDS}
+        _, stats = policy_loss(loss_inputs(x.logits, arrays, x.advantages), config)
+        _, expected = policy_loss(x, config)
+        to_np = (lambda t: t.detach().numpy()) if backend == "torch" else np.asarray
+        got = to_np(token_logprobs(x.logits, arrays, replay))
+        mask = batch.loss_mask
+        np.testing.assert_allclose(got[mask], to_np(expected.logp)[mask], rtol=1e-12, atol=1e-12)
+        np.testing.assert_array_equal(to_np(stats.logp), to_np(expected.logp))
+        full = logits / batch.temperature[:, None, None]
+        full = full - np.log(np.exp(full - full.max(-1, keepdims=True)).sum(-1, keepdims=True)) - full.max(-1, keepdims=True)
+        plain = np.take_along_axis(full, batch.target_ids[..., None].astype(np.int64), -1)[..., 0]
+        replayed_rows = batch.support_kept[:, None] & mask
+        assert replay == bool(np.abs(got - plain)[replayed_rows].max() > 1e-6), seed  # replay changes kept rows only
+        np.testing.assert_allclose(got[~batch.support_kept][mask[~batch.support_kept]],
+                                   plain[~batch.support_kept][mask[~batch.support_kept]], rtol=1e-10, atol=1e-10)

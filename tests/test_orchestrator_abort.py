@@ -52,7 +52,7 @@ def run(tmp_path_factory):
 
     def wrap(pool, index, sampler):
         recorders.append(Recording(sampler, 1.5 if pool.name == "slow" else 0.0,
-                                   lambda: holder["orch"]._published))
+                                   lambda: holder["orch"].fleet.published_version))
         return recorders[-1]
 
     holder["orch"] = LocalOrchestrator(cfg, wrap_sampler=wrap, console=False)

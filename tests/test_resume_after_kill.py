@@ -74,13 +74,18 @@ def killed_and_resumed(tmp_path_factory):
 
 
 LOCKSTEP = ("--set", "async.schedule=lockstep", "--set", "async.max_staleness=0")
+CHAOS = ("--set", "fleet.chaos={seed: 3, poison_rate: 0.15, slow_rate: 0.3, slow_s: 0.0}")
+"""Faults drawn per call (poisoned generations, rejected by the gate; zero-length stalls): the
+chaos wrapper must forward the per-step reseed, and restart its own draws, for the exact resume."""
 
 
-def test_lockstep_resume_after_a_kill_reproduces_the_uninterrupted_run_exactly(tmp_path):
+@pytest.mark.parametrize("chaos", [False, True], ids=["plain", "chaos"])
+def test_lockstep_resume_after_a_kill_reproduces_the_uninterrupted_run_exactly(tmp_path, chaos):
     whole, cut = tmp_path / "whole", tmp_path / "cut"
-    done = subprocess.run(_command(whole, *LOCKSTEP), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    extra = (*LOCKSTEP, *(CHAOS if chaos else ()))
+    done = subprocess.run(_command(whole, *extra), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-6000:]
-    before, _ = _kill_and_resume(cut, *LOCKSTEP)
+    before, _ = _kill_and_resume(cut, *extra)
     assert max(before["steps"]) > KILL_AFTER_STEP  # killed past its checkpoint: steps redone after the resume
     expected = [json.loads(x) for x in (whole / "metrics.jsonl").read_text().splitlines()]
     got = [json.loads(x) for x in (cut / "metrics.jsonl").read_text().splitlines()]
@@ -89,6 +94,7 @@ def test_lockstep_resume_after_a_kill_reproduces_the_uninterrupted_run_exactly(t
         keys = {k for k in e.keys() | g.keys() if not k.startswith(TIMING_PREFIXES)}
         assert len(keys) > 50
         assert {k: g.get(k) for k in keys} == {k: e.get(k) for k in keys}, e["step"]
+    assert not chaos or expected[-1]["chaos/poisoned"] > 0  # faults were injected
 
 
 def test_the_kill_came_after_the_checkpoint(killed_and_resumed):

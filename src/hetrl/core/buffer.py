@@ -139,6 +139,7 @@ class RolloutBuffer:
         self._seen: set[str] = set()
         self._counters: dict[str, PoolCounters] = {}
         self._regenerate: list[StaleGroup] = []
+        self._evicted: list[str] = []
         self._seq = itertools.count()
         self._trainer_version: int | None = None
         self._closed = False
@@ -205,6 +206,13 @@ class RolloutBuffer:
             out, self._regenerate = self._regenerate, []
             return out
 
+    def pop_evicted(self) -> list[str]:
+        """Hand over (and forget) the ids of the groups evicted since the last call, either policy,
+        oldest eviction first (a restored buffer starts with none)."""
+        with self._cond:
+            out, self._evicted = self._evicted, []
+            return out
+
     def close(self) -> None:
         """Refuse further puts and wake every blocked :meth:`take` (which then returns ``[]``
         unless enough groups are ready)."""
@@ -216,6 +224,11 @@ class RolloutBuffer:
     def __len__(self) -> int:
         with self._cond:
             return len(self._pending)
+
+    def pending_ids(self) -> list[str]:
+        """The ids of the pending groups, in arrival order."""
+        with self._cond:
+            return [g.group_id for _, g in sorted(self._pending.values(), key=lambda e: e[0])]
 
     @property
     def trainer_version(self) -> int | None:
@@ -285,6 +298,7 @@ class RolloutBuffer:
             del self._pending[group.group_id]
             counters = self._pool(group.pool)
             counters.dropped += 1
+            self._evicted.append(group.group_id)
             if self.stale_policy == "regenerate":
                 counters.regenerated += 1
                 self._regenerate.append(StaleGroup(group.group_id, group.prompt_id, group.pool,

@@ -26,6 +26,10 @@ class CheckpointConfig(BaseModel):
     keep: int | None = Field(3, gt=0)
     async_save: bool = True
 
+    def due(self, step: int) -> bool:
+        """Whether a periodic save falls at ``step`` (a multiple of ``every``; never when 0)."""
+        return bool(self.every) and step % self.every == 0
+
 
 def complete_steps(directory: str | pathlib.Path) -> list[int]:
     """Sorted steps of the finished checkpoints in ``directory``: its subdirectories named by

@@ -48,6 +48,9 @@ __all__ = [
     "PRESETS",
     "correction_preset",
     "LossInputs",
+    "LOSS_FIELDS",
+    "loss_inputs",
+    "token_logprobs",
     "TokenStats",
     "replay_logprobs",
     "replay_from_gathered",
@@ -163,6 +166,37 @@ class TokenStats:
     support_size: Array
     sampler_head_mass: Array
     train_head_mass: Array
+
+
+LOSS_FIELDS: tuple[str, ...] = ("target_ids", "loss_mask", "sampler_logprobs", "support_ids", "support_mask",
+                                 "support_logprobs", "support_kept", "temperature")
+"""The :class:`~hetrl.core.schema.RolloutBatch` arrays :class:`LossInputs` takes as they are."""
+
+
+def loss_inputs(logits: Array, arrays: Mapping[str, Array], advantages: Array,
+                old_logprobs: Array | None = None) -> LossInputs:
+    """The :class:`LossInputs` of ``logits`` over a batch's arrays (:data:`LOSS_FIELDS`, in one
+    namespace with ``logits``), with ``advantages`` [B] and the PPO-clip ``old_logprobs``."""
+    return LossInputs(logits=logits, **{name: arrays[name] for name in LOSS_FIELDS}, advantages=advantages,
+                      old_logprobs=old_logprobs)
+
+
+def token_logprobs(logits: Array, arrays: Mapping[str, Array], replay: bool) -> Array:
+    """Trainer ``log p(a_t)`` [B, L] of ``logits`` [B, L, V] with the support treatment of
+    :func:`policy_loss`: the mask-replayed ``z_a/T − logsumexp_{u∈S∪{a}} z_u/T`` on rows whose
+    recorded support is the kept set (``support_kept``) when ``replay``, the full-vocabulary
+    ``log softmax(z/T)_a`` on every other row. The same operations as the loss, so these values
+    serve as the recomputed ``old_logprobs`` of the PPO-clip mode; values off ``loss_mask`` are
+    defined but meaningless. ``arrays``: ``target_ids`` [B, L], ``support_ids``/``support_mask``
+    [B, L, K], ``support_kept`` and ``temperature`` [B]."""
+    xp = namespace(logits)
+    target = arrays["target_ids"]
+    full = log_softmax(_scale(logits, arrays["temperature"]), axis=-1)
+    if not replay:
+        return take_along_axis(full, target[..., None], axis=-1)[..., 0]
+    logp_a, logp_s = _gather_target_and_support(full, target, arrays["support_ids"])
+    replay_a, _ = replay_from_gathered(logp_a, logp_s, target, arrays["support_ids"], arrays["support_mask"])
+    return xp.where(arrays["support_kept"][:, None], replay_a, logp_a)
 
 
 # ====================================================================== mask replay

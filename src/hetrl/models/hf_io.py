@@ -280,3 +280,18 @@ def save_state_dict(directory: str | os.PathLike, state: Mapping[str, np.ndarray
     total = sum(a.nbytes for a in state.values())
     (directory / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     write_manifest(directory, sorted(set(weight_map.values())) + [INDEX_FILE], state)
+
+
+VERSION_FILE = "hetrl_version.txt"
+"""The file of a trainer's HF export that holds the weight version (the trainer's step)."""
+
+
+def save_hf_export(directory: str | os.PathLike, config: ModelConfig, state: Mapping[str, np.ndarray],
+                   version: int) -> pathlib.Path:
+    """A trainer's HF export of ``state`` at weight ``version``: ``config.json``, the
+    safetensors (:func:`save_state_dict`) and :data:`VERSION_FILE`. Returns ``directory``."""
+    directory = pathlib.Path(directory)
+    config.save(directory)
+    save_state_dict(directory, state)
+    (directory / VERSION_FILE).write_text(f"{version}\n")
+    return directory

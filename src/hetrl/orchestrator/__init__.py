@@ -6,7 +6,10 @@ runs samplers and trainer in one process (threads), :mod:`hetrl.orchestrator.ray
 actors (the route to many machines); :func:`build_orchestrator` picks one from
 ``config.backend``. :mod:`hetrl.orchestrator.episodes` turns tasks and generations into validated
 rollouts; :mod:`hetrl.orchestrator.monitors` writes metric records (JSON lines, TensorBoard
-events, optionally W&B) and :mod:`hetrl.orchestrator.report` the console, plots and summary.
+events, optionally W&B) and :mod:`hetrl.orchestrator.report` the console, plots and summary. The loop's parts:
+:mod:`~hetrl.orchestrator.ledger` (every group's state), :mod:`~hetrl.orchestrator.tasks` (the
+train tasks in passes), :mod:`~hetrl.orchestrator.schedule` (async or lockstep generation) and
+:mod:`~hetrl.orchestrator.trainer_handle` (the trainer as the loop sees it).
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hetrl.orchestrator.loop import AsyncOrchestrator, TrainerHandle, build_embedded_sampler, build_trainer
+from hetrl.orchestrator.loop import AsyncOrchestrator, build_embedded_sampler
+from hetrl.orchestrator.trainer_handle import TrainerHandle, build_trainer
 from hetrl.samplers.base import Sampler
 from hetrl.samplers.profiles import SamplerNumerics
 

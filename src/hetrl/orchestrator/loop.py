@@ -5,14 +5,15 @@ A backend (:mod:`hetrl.orchestrator.local`: in-process; :mod:`hetrl.orchestrator
 Ray actors) only decides where the samplers and the trainer run and how calls reach them: it
 implements :meth:`AsyncOrchestrator._create_sampler` (an object with the
 :class:`hetrl.samplers.base.Sampler` protocol, built by :func:`build_embedded_sampler`) and
-:meth:`AsyncOrchestrator._create_trainer` (a :class:`TrainerHandle`, built by
+:meth:`AsyncOrchestrator._create_trainer` (a :class:`hetrl.orchestrator.trainer_handle.TrainerHandle`, built by
 :func:`build_trainer`: the JAX or the Megatron trainer, as ``trainer.kind`` says), and may start
 and stop its machinery. Everything below is the same
 for all backends.
 
 Threads of the driver:
 
-* one **rollout worker per pool replica**: ``fleet.serve_once(replica)`` takes the first turn of
+* under the default ``async`` schedule (:mod:`hetrl.orchestrator.schedule`), one **rollout
+  worker per pool replica**: ``fleet.serve_once(replica)`` takes the first turn of
   groups routed to it; the worker then plays each group's episodes to the end on the same replica
   (:class:`hetrl.orchestrator.episodes.EpisodeRunner`), with rewards from the environment,
   passes every rollout through the :class:`hetrl.core.admission.RolloutGate` (malformed or
@@ -37,7 +38,9 @@ embedded engine has no mid-turn cancel), so abort saves the later turns, not tha
 
 **Feeding and pacing.** Prompts cycle through the train functions of the synthetic coding suite,
 reshuffled every pass by ``seed``, each pass with fresh examples and hidden tests
-(:meth:`SyntheticSuite.train_pass`), so the policy learns to read examples, not one instance. At
+(:class:`hetrl.orchestrator.tasks.TaskSource`), so the policy learns to read examples, not one
+instance. Every group's state is recorded once, in the :class:`hetrl.orchestrator.ledger.GroupLedger`
+(only live groups hold memory, so a long run's memory does not grow with its passes). At
 most ``(max_staleness + 1) * batch_groups`` groups are outstanding (submitted and not yet trained
 or dropped, buffered ones included; a trained batch stops counting once its step is published), so
 no pool gets far ahead of the trainer; with ``max_staleness = 0`` this is the synchronous schedule
@@ -66,7 +69,7 @@ tokens, busy time and cost) continue. Metric records the interrupted run wrote a
 checkpoint are dropped from the JSONL (those steps are trained again; a new TensorBoard event
 file starts at the checkpoint's step). Under the default ``async`` schedule the samplers' random
 streams and the timing are not replayed, so a resumed run continues the same training, not the
-same samples. Under ``async.schedule: lockstep`` (:meth:`AsyncOrchestrator._lockstep_round`)
+same samples. Under ``async.schedule: lockstep`` (:class:`hetrl.orchestrator.schedule.LockstepSchedule`)
 nothing depends on timing, and a run resumed from any checkpoint reproduces the uninterrupted
 run exactly (every metric but wall-clock timings).
 
@@ -95,14 +98,14 @@ import time
 import zlib
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from hetrl.config import RunConfig
 from hetrl.core.admission import RolloutGate
 from hetrl.core.buffer import RolloutBuffer, RolloutGroup
-from hetrl.core.schema import RolloutBatch, SamplingParams, collate
+from hetrl.core.schema import SamplingParams, collate
 from hetrl.envs.base import ChatFormat, Task
 from hetrl.envs.coding import CodingEnv
 from hetrl.envs.options import EvalOptions, SyntheticEnvOptions
@@ -112,11 +115,15 @@ from hetrl.models.config import ModelConfig
 from hetrl.models.resolve import resolve_model
 from hetrl.orchestrator.episodes import EpisodeRunner
 from hetrl.orchestrator.evaluation import evaluate_tasks
+from hetrl.orchestrator.ledger import Closed, GroupLedger, GroupSpec
 from hetrl.orchestrator.monitors import build_monitors
 from hetrl.orchestrator.preflight import TRAINER_RANKS, check_runnable
 from hetrl.orchestrator.report import RunConsole, write_plots
 from hetrl.orchestrator.run_folder import RunFolder, write_atomic
-from hetrl.samplers.base import Generation, GenerationRequest, Sampler
+from hetrl.orchestrator.schedule import Driver, Schedule, make_schedule
+from hetrl.orchestrator.tasks import TaskSource
+from hetrl.orchestrator.trainer_handle import TrainerHandle
+from hetrl.samplers.base import Generation, GenerationRequest, Sampler, can_reseed
 from hetrl.samplers.faults import ChaosLedger, ChaosSampler
 from hetrl.samplers.fleet import Fleet, JobResult, PoolConfig, Replica
 from hetrl.samplers.profiles import SamplerNumerics, sampler_numerics
@@ -126,8 +133,8 @@ if TYPE_CHECKING:
     from hetrl.trainer_jax.config import JaxTrainerConfig
     from hetrl.trainer_megatron.config import MegatronTrainerConfig
 
-__all__ = ["EvalOptions", "SyntheticEnvOptions", "TrainerHandle", "AsyncOrchestrator", "RunResult",
-           "SamplerWrapper", "Retracted", "build_embedded_sampler", "build_trainer", "SAMPLER_BATCH", "write_atomic"]
+__all__ = ["EvalOptions", "SyntheticEnvOptions", "AsyncOrchestrator", "RunResult",
+           "SamplerWrapper", "Retracted", "build_embedded_sampler", "SAMPLER_BATCH", "write_atomic"]
 
 log = logging.getLogger(__name__)
 
@@ -142,28 +149,6 @@ WORKER_JOIN_S = 120.0
 a thread still inside JAX when the interpreter exits aborts the process."""
 
 
-class TrainerHandle(Protocol):
-    """What the loop needs from the trainer (:class:`hetrl.trainer_jax.trainer.JaxTrainer`, or a
-    proxy to one in another process)."""
-
-    @property
-    def version(self) -> int: ...
-
-    def train_step(self, batch: RolloutBatch, old_logprobs: np.ndarray | None = None) -> dict[str, float]: ...
-
-    def logprobs(self, batch: RolloutBatch) -> np.ndarray: ...
-
-    def export_hf_weights(self) -> dict[str, np.ndarray]: ...
-
-    def save(self, *, force: bool = True) -> bool: ...
-
-    def restore(self) -> int: ...
-
-    def checkpoint_steps(self) -> list[int]: ...
-
-    def close(self) -> None: ...
-
-
 def build_embedded_sampler(model_dir: str | pathlib.Path, numerics: SamplerNumerics, *, pool: str, seed: int) -> Sampler:
     """The embedded sampler of one replica (or of the evaluation) over the checkpoint in
     ``model_dir``: ``SAMPLER_BATCH`` rows per compiled generate call."""
@@ -173,31 +158,8 @@ def build_embedded_sampler(model_dir: str | pathlib.Path, numerics: SamplerNumer
                                            batch_buckets=(SAMPLER_BATCH,))
 
 
-def build_trainer(model_dir: str | pathlib.Path, config: "JaxTrainerConfig | MegatronTrainerConfig") -> TrainerHandle:
-    """The trainer ``config`` configures (:class:`hetrl.trainer_jax.trainer.JaxTrainer` or
-    :class:`hetrl.trainer_megatron.trainer.MegatronTrainer`), initialized from the HF
-    checkpoint in ``model_dir``."""
-    from hetrl.trainer_megatron.config import MegatronTrainerConfig
-
-    if isinstance(config, MegatronTrainerConfig):
-        from hetrl.trainer_megatron.trainer import MegatronTrainer
-
-        return MegatronTrainer.from_hf(model_dir, config)
-    from hetrl.trainer_jax.trainer import JaxTrainer
-
-    return JaxTrainer.from_hf(model_dir, config)
-
-
 class Retracted(Exception):
     """A group's generation overlapped a newer weight publication (``weight_update: abort``)."""
-
-
-@dataclass
-class _GroupSpec:
-    group_id: str
-    task: Task
-    prompt: np.ndarray
-    submitted_at: float
 
 
 @dataclass
@@ -358,7 +320,6 @@ class AsyncOrchestrator(abc.ABC):
             if state.exists():
                 self._resume_state = json.loads(state.read_text())
             self._resumed_history = _truncate_metrics(self.metrics_path, step)
-        self._published = self.trainer.version
         if self.trainer.version > 0:
             self.fleet.publish_weights(self.trainer.version, self.trainer.export_hf_weights())
         self._check_stop()
@@ -385,7 +346,12 @@ class AsyncOrchestrator(abc.ABC):
             incarnation = self._incarnations[f"{pool.name}/{index}"] = self._incarnations.get(f"{pool.name}/{index}", -1) + 1
             seed = zlib.crc32(f"{chaos.seed}/{pool.name}/{index}/{incarnation}".encode())
             sampler = ChaosSampler(sampler, chaos, seed, self.chaos_ledger)
-        return self.wrap_sampler(pool, index, sampler) if self.wrap_sampler else sampler
+        sampler = self.wrap_sampler(pool, index, sampler) if self.wrap_sampler else sampler
+        if self.config.async_.schedule == "lockstep" and not can_reseed(sampler):
+            raise ConfigError(f"async.schedule: lockstep reseeds every replica each step, and the "
+                              f"{type(sampler).__name__} sampler of pool {pool.name!r} cannot reseed; "
+                              "use schedule: async, or a sampler (wrapper) that forwards reseed")
+        return sampler
 
     # ================================================================== the fleet side
     def _top_up(self) -> None:
@@ -394,46 +360,23 @@ class AsyncOrchestrator(abc.ABC):
         a = self.config.async_
         target = (a.max_staleness + 1) * a.batch_groups
         with self._lock:
-            dropped = self._buffer_dropped()
-            self._outstanding -= dropped - self._dropped_seen  # evicted groups are no longer outstanding
-            self._dropped_seen = dropped
-            regen = [self._tasks_by_id[s.prompt_id] for s in self.buffer.pop_regenerations()]
-            while not self._stop.is_set() and (regen or self._outstanding < target):
+            self.ledger.drop(self.buffer.pop_evicted())
+            regen = [self.tasks.resolve(s.prompt_id) for s in self.buffer.pop_regenerations()]
+            while not self._stop.is_set() and (regen or self.ledger.outstanding < target):
                 if regen:
                     self._submit_locked(regen.pop(0))
                 else:
-                    self._submit_locked(self._carried_over.pop(0) if self._carried_over else self._next_task())
+                    self._submit_locked(self._carried_over.pop(0) if self._carried_over else self.tasks.next())
 
     def _submit_locked(self, task: Task) -> None:
         """Submit ``task`` as a new group (one fleet job of ``group_size`` requests); holds the lock."""
         a = self.config.async_
         gid = f"g{self._next_gid:06d}"
         self._next_gid += 1
-        spec = _GroupSpec(gid, task, self._prompt(task), time.monotonic())
-        self._groups[gid] = spec
-        self._outstanding += 1
-        self._unfinished[gid] = task.task_id
-        self.result_submitted.append(gid)
-        pin = None
-        if a.schedule == "lockstep":  # group i on alive replica i mod n, in fleet order
-            alive = [r.key for r in self.fleet.replicas if r.alive]
-            pin = alive[int(gid[1:]) % len(alive)] if alive else None
-        self.fleet.submit(gid, self.runner.requests(gid, spec.prompt, a.group_size, a.sampling), replica=pin)
-
-    def _next_task(self) -> Task:
-        """The next train task: passes over the train functions in a fresh random order, pass
-        ``e`` with the examples of :meth:`SyntheticSuite.train_pass` ``(e)``."""
-        if not self._order:
-            self._order = list(self._rng.permutation(len(self.suite.train)))
-            self._pass_tasks = self.suite.train_pass(self._passes)
-            self._passes += 1
-            self._tasks_by_id.update((t.task_id, t) for t in self._pass_tasks)
-        return self._pass_tasks[int(self._order.pop(0))]
-
-    def _prompt(self, task: Task) -> np.ndarray:
-        if task.task_id not in self._prompts:
-            self._prompts[task.task_id] = self.runner.prompt_ids(task)
-        return self._prompts[task.task_id]
+        spec = GroupSpec(gid, task, self.tasks.prompt(task), time.monotonic())
+        self.ledger.submit(spec)
+        self.fleet.submit(gid, self.runner.requests(gid, spec.prompt, a.group_size, a.sampling),
+                          replica=self.schedule.pin(self._next_gid - 1))
 
     def _worker(self, replica: Replica) -> None:
         """Serve ``replica`` until stopped or dead; play each finished job's group and buffer it."""
@@ -447,7 +390,7 @@ class AsyncOrchestrator(abc.ABC):
     def _retract_if_stale(self, version: int) -> None:
         """Under ``weight_update: abort``, raise :class:`Retracted` if weights newer than
         ``version`` were published."""
-        if self.config.async_.weight_update == "abort" and version < self._published:
+        if self.config.async_.weight_update == "abort" and version < self.fleet.published_version:
             raise Retracted
 
     def _continue_fn(self, replica: Replica) -> Callable[[Sequence[GenerationRequest]], list[Generation]]:
@@ -461,32 +404,25 @@ class AsyncOrchestrator(abc.ABC):
         return generate
 
     def _finish_group(self, replica: Replica, result: JobResult) -> None:
-        try:
-            self._play_and_buffer(replica, result)
-        finally:  # buffered, rejected or submitted again under a new id: no longer in flight
-            with self._lock:
-                if not self._stop.is_set():  # at shutdown a finished group may not reach the buffer
-                    self._unfinished.pop(result.job_id, None)
-
-    def _play_and_buffer(self, replica: Replica, result: JobResult) -> None:
-        spec = self._groups[result.job_id]
+        """Play the group of ``result`` to its end, admit its rollouts and buffer it, closing it
+        in the ledger as received, rejected, retracted (submitted again) or failed (submitted
+        again); a group the buffer cannot take any more (the run is over) stays in flight."""
+        with self._lock:
+            spec = self.ledger.spec(result.job_id)
+        if spec is None:  # the fleet delivered a job again after it was closed: nothing to do
+            return
         sampling = self.config.async_.sampling
         try:
             self._retract_if_stale(_oldest_version(result.generations))
             outcome = self.runner.run_group(spec.group_id, spec.task, spec.prompt, result.generations, sampling,
                                             self._continue_fn(replica))
         except Retracted:  # weights changed under it: regenerate the prompt on the new ones
-            with self._lock:
-                self._retracted.append(spec.group_id)
-                self._outstanding -= 1
-            self._resubmit(spec.task)
+            self._close_and_resubmit(spec, "retracted")
             return
         except Exception:  # a later turn failed on this replica: redo the prompt as a new group
             with self._lock:
                 self._counts["continuation_failures"] += 1
-                self._failed.append(spec.group_id)
-                self._outstanding -= 1
-            self._resubmit(spec.task)
+            self._close_and_resubmit(spec, "failed")
             return
         pool = replica.pool.name
         admission = self.gate.admit(pool, outcome.rollouts, outcome.rejected, published_version=self.fleet.published_version)
@@ -500,11 +436,8 @@ class AsyncOrchestrator(abc.ABC):
             self._errors.extend([str(e) for e in admission.rejected[-5:]] + outcome.errors[-5:])
             if not buffered:
                 self._counts["groups_rerouted" if quarantined else "groups_rejected"] += 1
-                self._rejected.append(spec.group_id)
-                self._outstanding -= 1
-        if not buffered:
-            if quarantined:  # its pool is out: sample the prompt again on the others
-                self._resubmit(spec.task)
+        if not buffered:  # if its pool is out, sample the prompt again on the others
+            self._close_and_resubmit(spec, "rejected", again=quarantined)
             return
         with self._lock:
             for r in buffered:
@@ -518,31 +451,10 @@ class AsyncOrchestrator(abc.ABC):
                 accepted = self.buffer.put(group)
             except RuntimeError:  # buffer closed: the run is over
                 return
-            self._unfinished.pop(spec.group_id, None)
             if accepted:
-                self.result_received.append(spec.group_id)
+                self.ledger.receive(spec.group_id)
             else:
-                self._outstanding -= 1
-
-    def _lockstep_round(self) -> None:
-        """``schedule: lockstep``: submit what the step still needs, then, replica by replica in
-        fleet order, reseed it from (seed, trainer version, replica) and serve every job pinned
-        to it, playing each group to the end and buffering it, all in this thread. So the step's
-        groups, their samples and their order are a function of the run's state alone."""
-        self._top_up()
-        version, served = self.trainer.version, False
-        for r in self.fleet.replicas:
-            if not (r.alive and r.assigned):
-                continue
-            reseed = getattr(r.sampler, "reseed", None)
-            if reseed is not None:
-                reseed(zlib.crc32(f"{self.config.seed}/{version}/{r.key}".encode()))
-            while r.alive and r.assigned:
-                for result in self.fleet.serve_once(r, timeout=0):
-                    served = True
-                    self._finish_group(r, result)
-        if not served:  # nothing to serve (replicas dead and restarting): do not spin
-            time.sleep(0.1)
+                self.ledger.close(spec.group_id, "refused")
 
     def _restart_dead_replicas(self) -> bool:
         """Start rebuilding each dead replica whose :class:`RestartPolicy` allows it (its pool not
@@ -560,9 +472,7 @@ class AsyncOrchestrator(abc.ABC):
                 continue
             self._restarting.add(r.key)
             self._restart_attempts[r.key] = self._restart_attempts.get(r.key, 0) + 1
-            thread = threading.Thread(target=self._restart_replica, args=(r,), name=f"restart-{r.key}", daemon=True)
-            self._threads.append(thread)
-            thread.start()
+            self._start_thread(self._restart_replica, r, name=f"restart-{r.key}")
         return pending
 
     def _restart_replica(self, replica: Replica) -> None:
@@ -572,10 +482,8 @@ class AsyncOrchestrator(abc.ABC):
             health = sampler.health()
             if not health.healthy:
                 raise RuntimeError(f"unhealthy after restart: {health.detail}")
-            if self.fleet.revive(replica, sampler) and not self._lockstep:
-                worker = threading.Thread(target=self._worker, args=(replica,), name=f"worker-{replica.key}", daemon=True)
-                self._threads.append(worker)
-                worker.start()
+            if self.fleet.revive(replica, sampler):
+                self.schedule.revived(replica)
         except Exception as err:  # try again after the delay, while attempts remain
             log.warning("restarting replica %s failed: %s", replica.key, err)
             replica.died_at = time.monotonic()
@@ -584,10 +492,36 @@ class AsyncOrchestrator(abc.ABC):
         finally:
             self._restarting.discard(replica.key)
 
-    def _resubmit(self, task: Task) -> None:
+    def _start_worker(self, replica: Replica) -> None:
+        self._start_thread(self._worker, replica, name=f"worker-{replica.key}")
+
+    def _start_thread(self, target: Callable[[Replica], None], replica: Replica, *, name: str) -> None:
+        """Start ``target(replica)`` in a thread :meth:`_shutdown` joins; none once it began."""
         with self._lock:
-            if not self._stop.is_set():
-                self._submit_locked(task)
+            if self._stop.is_set():
+                return
+            thread = threading.Thread(target=target, args=(replica,), name=name, daemon=True)
+            self._threads.append(thread)
+            thread.start()
+
+    def _shutdown(self) -> None:
+        """Stop the driver's threads and join every one: the stop flag is set under the lock that
+        :meth:`_start_thread` holds, so no thread joins the list after it and none is missed."""
+        with self._lock:
+            self._stop.set()
+        self.fleet.close()
+        self.buffer.close()
+        deadline = time.monotonic() + WORKER_JOIN_S  # a worker may be inside a generate call (or its compilation)
+        for t in self._threads:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+
+    def _close_and_resubmit(self, spec: GroupSpec, outcome: Closed, again: bool = True) -> None:
+        """Close ``spec``'s group as ``outcome`` and (``again``, unless stopping) submit its task
+        as a new group, at once."""
+        with self._lock:
+            self.ledger.close(spec.group_id, outcome)
+            if again and not self._stop.is_set():
+                self._submit_locked(spec.task)
 
     # ================================================================== evaluation
     def _evaluate(self, weights: Mapping[str, np.ndarray]) -> dict[str, float]:
@@ -625,35 +559,23 @@ class AsyncOrchestrator(abc.ABC):
 
     def _train(self, t_start: float) -> RunResult:
         cfg = self.config
+        self.schedule: Schedule = make_schedule(cfg.async_.schedule, self.fleet,
+                                                Driver(self._top_up, self._finish_group, self._start_worker), cfg.seed)
         self._lock = threading.RLock()
         self._stop = threading.Event()
-        self._groups: dict[str, _GroupSpec] = {}
-        self._tasks_by_id = {t.task_id: t for t in self.suite.train}
-        self._prompts: dict[str, np.ndarray] = {}
-        self._rng = np.random.default_rng(cfg.seed)
-        self._order: list[int] = []
-        self._passes = 0
-        self._pass_tasks: tuple[Task, ...] = ()
+        self.tasks = TaskSource(self.suite, np.random.default_rng(cfg.seed), self.runner.prompt_ids)
+        self.ledger = GroupLedger(self.buffer.pending_ids())  # a resumed buffer's groups are live
         self._next_gid = 0
-        self._outstanding = len(self.buffer)
-        self._dropped_seen = self._buffer_dropped()
         self._counts = {k: 0 for k in ("rollouts_valid", "rollouts_rejected", "groups_rejected", "groups_rerouted",
                                        "continuation_failures", "groups_trained")}
-        self._unfinished: dict[str, str] = {}  # group id -> task id of every submitted group not yet buffered
         self._carried_over: list[Task] = []  # tasks in flight at the checkpoint a resumed run starts from
         if self._resume_state is not None:
             self._restore_loop_state(self._resume_state)
         self._errors: list[str] = []
-        self._failed: list[str] = []
-        self._retracted: list[str] = []
-        self._rejected: list[str] = []
         self._rollout_versions: dict[str, list[int]] = {}
         self._rollout_spans: dict[str, list[tuple[int, int]]] = {}
         self._rewards: list[float] = []
-        self.result_submitted: list[str] = []
-        self.result_received: list[str] = []
         eval_every = self.options.eval.every
-        trained: list[tuple[str, str, int, int]] = []
         history: list[dict[str, Any]] = list(self._resumed_history)
         writer = build_monitors(cfg, self.metrics_path, self.tensorboard_dir)
         if eval_every and self.trainer.version == 0:  # the starting policy's score, to compare the run's with
@@ -661,16 +583,11 @@ class AsyncOrchestrator(abc.ABC):
             if scores:
                 history.append({"step": 0, **scores})
                 writer.log(history[-1])
-        self._threads = [threading.Thread(target=self._worker, args=(r,), name=f"worker-{r.key}", daemon=True)
-                         for r in self.fleet.replicas]
+        self._threads: list[threading.Thread] = []  # every thread started, joined by _shutdown
         self._restarting: set[str] = set()
         self._restart_attempts: dict[str, int] = {}
-        self._lockstep = cfg.async_.schedule == "lockstep"
-        if self._lockstep:  # the trainer's thread generates (_lockstep_round): no worker threads
-            self._threads = []
         self._top_up()
-        for t in self._threads:
-            t.start()
+        self.schedule.start()
         a = cfg.async_
         max_stale_seen = -1
         last_time, last_gen_tokens = time.monotonic(), 0.0
@@ -681,10 +598,9 @@ class AsyncOrchestrator(abc.ABC):
                     wait_start = time.monotonic()
                     groups: list[RolloutGroup] = []
                     while not groups and not self._stop_requested.is_set():
-                        if self._lockstep:
-                            self._lockstep_round()
+                        self.schedule.before_take(self.trainer.version)
                         groups = self.buffer.take(a.batch_groups, self.trainer.version,
-                                                  timeout=0.0 if self._lockstep else 0.5)
+                                                  timeout=self.schedule.take_timeout_s)
                         self._top_up()
                         restartable = self._restart_dead_replicas()
                         if not groups and not restartable and not any(r.alive for r in self.fleet.replicas):
@@ -704,13 +620,11 @@ class AsyncOrchestrator(abc.ABC):
                     weights = self.trainer.export_hf_weights()
                     self.fleet.publish_weights(self.trainer.version, weights)
                     with self._lock:
-                        self._published = self.trainer.version
-                        self._outstanding -= len(groups)
+                        self.ledger.train(((g.group_id, g.pool, g.min_version) for g in groups), version)
                     self._top_up()  # the trained batch no longer counts: sample the next at once
                     self.fleet.record_mismatch(metrics)
                     for g in groups:
                         self.fleet.record_trained(g.pool, int(sum(r.loss_mask.sum() for r in g.rollouts)))
-                        trained.append((g.group_id, g.pool, g.min_version, version))
                     self._counts["groups_trained"] += len(groups)
                     stale = [version - g.min_version for g in groups]
                     max_stale_seen = max(max_stale_seen, *stale)
@@ -731,7 +645,7 @@ class AsyncOrchestrator(abc.ABC):
                         **{k: v for k, v in fm.items()}, **self.buffer.metrics(), **self.gate.metrics(),
                         **(self.chaos_ledger.metrics() if cfg.fleet.chaos is not None else {}),
                         **{f"rollout/{k}": float(v) for k, v in self._counts.items()},
-                        "rollout/retracted": float(len(self._retracted)),
+                        "rollout/retracted": float(len(self.ledger.closed["retracted"])),
                     }
                     last_time, last_gen_tokens = now, gen_tokens
                     record["rollout/solved"] = float(np.mean([r.timings.get("solved", 0.0) for r in rollouts]))
@@ -744,12 +658,7 @@ class AsyncOrchestrator(abc.ABC):
                         writer.log(record)
                     display.step(record, self._pool_rows(fm))
         finally:
-            self._stop.set()
-            self.fleet.close()
-            self.buffer.close()
-            deadline = time.monotonic() + WORKER_JOIN_S  # a worker may be inside a generate call (or its compilation)
-            for t in list(self._threads):
-                t.join(timeout=max(0.0, deadline - time.monotonic()))
+            self._shutdown()
             writer.close()
         if not self.trainer.checkpoint_steps() or self.trainer.checkpoint_steps()[-1] != self.trainer.version:
             self.trainer.save(force=True)
@@ -766,27 +675,25 @@ class AsyncOrchestrator(abc.ABC):
             "wall_s": time.monotonic() - t_start, "version": self.trainer.version,
             "max_staleness": max([max_stale_seen] + [int(r["staleness/max"]) for r in history if "staleness/max" in r]),
             "groups_trained": self._counts["groups_trained"], "groups_dropped": int(bm["buffer/dropped"]),
-            "groups_retracted": len(self._retracted),
+            "groups_retracted": len(self.ledger.closed["retracted"]),
             "rollouts_rejected": self._counts["rollouts_rejected"], "requeues": int(fm["fleet/requeues"]),
             "output_dir": str(self.output_dir), "errors_sample": self._errors[-5:],
             "continuation_failures": self._counts["continuation_failures"],
             "quarantined": self.gate.quarantined(), "replica_restarts": int(fm["fleet/restarts"]),
-            "groups_pending": len(self.buffer), "groups_in_flight": len(self._unfinished),
+            "groups_pending": len(self.buffer), "groups_in_flight": len(self.ledger.in_flight()),
             "steps": cfg.steps, "stopped": self.trainer.version < cfg.steps,
             **({k.replace("chaos/", "chaos_"): int(v) for k, v in self.chaos_ledger.metrics().items()}
                if cfg.fleet.chaos is not None else {}),
         }
         self.folder.summary.write_text(json.dumps(final, indent=2))
-        return RunResult(history, final, trained, list(self.result_received), list(self.result_submitted),
-                         list(self._retracted), {k: list(v) for k, v in self._rollout_versions.items()},
+        led = self.ledger
+        return RunResult(history, final, list(led.trained), list(led.received), list(led.submitted),
+                         list(led.closed["retracted"]), {k: list(v) for k, v in self._rollout_versions.items()},
                          {k: list(v) for k, v in self._rollout_spans.items()}, list(self._rewards),
                          self.output_dir, self.metrics_path, self.tensorboard_dir, plots, self.checkpoint_dir, steps,
-                         list(self._rejected), list(self._failed), list(self._unfinished))
+                         list(led.closed["rejected"]), list(led.closed["failed"]), [g.group_id for g in led.in_flight()])
 
     # ================================================================== helpers
-    def _buffer_dropped(self) -> int:
-        return sum(c.dropped for c in self.buffer.counters().values())
-
     def _snapshot_state(self) -> None:
         """Beside the trainer's checkpoint at its version: the buffer (``buffer-<v>.json``) and the
         loop's own state (``loop-<v>.json``: data order, next group id, the tasks of groups in
@@ -797,10 +704,9 @@ class AsyncOrchestrator(abc.ABC):
         with self._lock:
             buffer = self.buffer.snapshot()
             loop = {
-                "version": v, "next_gid": self._next_gid, "rng": self._rng.bit_generator.state,
-                "order": [int(i) for i in self._order], "passes": self._passes,
-                "in_flight_tasks": list(self._unfinished.values()), "counts": dict(self._counts),
-                "fleet": self.fleet.counters_state(), "admission": self.gate.state(),
+                "version": v, "next_gid": self._next_gid, **self.tasks.state(),
+                "in_flight_tasks": [g.task.task_id for g in self.ledger.in_flight()], "counts": dict(self._counts),
+                "fleet": self.fleet.counters_state(), "admission": self.gate.state(), "chaos": self.chaos_ledger.state(),
             }
         write_atomic(self.checkpoint_dir / f"buffer-{v}.json", json.dumps(buffer))
         write_atomic(self.checkpoint_dir / f"loop-{v}.json", json.dumps(loop))
@@ -810,15 +716,11 @@ class AsyncOrchestrator(abc.ABC):
     def _restore_loop_state(self, state: Mapping[str, Any]) -> None:
         """Continue from :meth:`_snapshot_state`'s record: the data order where it was, group ids
         after the last one used, the counters, and the tasks whose groups were in flight first."""
-        self._rng.bit_generator.state = state["rng"]
-        self._order = list(state["order"])
-        self._passes = int(state["passes"])
-        if self._passes:
-            self._pass_tasks = self.suite.train_pass(self._passes - 1)
-            self._tasks_by_id.update((t.task_id, t) for t in self._pass_tasks)
+        self.tasks.restore(state)
         self._next_gid = int(state["next_gid"])
         self._counts.update({k: int(v) for k, v in state["counts"].items() if k in self._counts})
-        self._carried_over = [self._tasks_by_id[t] for t in state["in_flight_tasks"] if t in self._tasks_by_id]
+        self._carried_over = [self.tasks.resolve(t) for t in state["in_flight_tasks"]]
+        self.chaos_ledger.restore(state.get("chaos", {}))
         self.fleet.restore_counters(state["fleet"])
         self.gate.restore_state(state["admission"])
         for pool, reason in self.gate.quarantined().items():

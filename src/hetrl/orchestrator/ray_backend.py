@@ -40,7 +40,8 @@ import numpy as np
 import ray
 
 from hetrl.core.schema import RolloutBatch, SamplerInfo
-from hetrl.orchestrator.loop import AsyncOrchestrator, TrainerHandle, build_embedded_sampler, build_trainer
+from hetrl.orchestrator.loop import AsyncOrchestrator, build_embedded_sampler
+from hetrl.orchestrator.trainer_handle import TrainerHandle, build_trainer
 from hetrl.samplers.base import Generation, GenerationRequest, Sampler, SamplerHealth
 from hetrl.samplers.profiles import SamplerNumerics
 from hetrl.stopping import reclaim_signals
@@ -90,6 +91,7 @@ class RaySampler:
         self.actor = actor
         self._weights = weights
         self._info: SamplerInfo | None = None
+        self._supports_reseed: bool | None = None
 
     @property
     def info(self) -> SamplerInfo:
@@ -105,6 +107,13 @@ class RaySampler:
 
     def health(self) -> SamplerHealth:
         return ray.get(self.actor.call.remote("health"))
+
+    @property
+    def supports_reseed(self) -> bool:
+        """Whether the hosted sampler can reseed (asked once)."""
+        if self._supports_reseed is None:
+            self._supports_reseed = ray.get(self.actor.attribute.remote("supports_reseed"))
+        return self._supports_reseed
 
     def reseed(self, seed: int) -> None:
         ray.get(self.actor.call.remote("reseed", seed))

@@ -6,6 +6,14 @@ distribution it really sampled from, the kept support with its log-probs, the we
 Multi-turn episodes are assembled into :class:`hetrl.core.schema.Rollout` s by the orchestrator,
 which appends environment tokens between turns. Weights arrive in HF naming
 (``dict[str, np.ndarray]``, see :mod:`hetrl.models.hf_io`) with a version stamp.
+
+Optional capabilities are named, never probed with ``getattr``: a sampler that can restart its
+random stream has the :class:`Reseedable` capability (``supports_reseed`` true, ``reseed``
+works); a wrapper forwards it from the sampler it wraps, and one that cannot reseed says so
+(``supports_reseed`` false; ``reseed`` raises :class:`CapabilityMissing`). Test with
+:func:`can_reseed`. Cancelling a call mid-generation ("abort") is not a sampler capability: no
+engine here has one, so ``weight_update: abort`` retracts groups at turn boundaries instead
+(:mod:`hetrl.orchestrator.loop`).
 """
 
 from __future__ import annotations
@@ -87,3 +95,34 @@ class Sampler(Protocol):
         ...
 
     def health(self) -> SamplerHealth: ...
+
+
+class CapabilityMissing(RuntimeError):
+    """A sampler was asked for an optional capability it does not have."""
+
+
+@runtime_checkable
+class Reseedable(Protocol):
+    """The optional capability of restarting a sampler's random stream: after ``reseed(s)``
+    the same requests in the same calls draw the same noise (common random numbers; the
+    lockstep schedule's exact resume). ``supports_reseed`` says whether ``reseed`` works (a
+    wrapper around a sampler without it: false, and ``reseed`` raises
+    :class:`CapabilityMissing`)."""
+
+    @property
+    def supports_reseed(self) -> bool: ...
+
+    def reseed(self, seed: int) -> None: ...
+
+
+def can_reseed(sampler: object) -> bool:
+    """Whether ``sampler`` has the :class:`Reseedable` capability."""
+    return isinstance(sampler, Reseedable) and bool(sampler.supports_reseed)
+
+
+def reseed(sampler: Sampler, seed: int) -> None:
+    """``sampler.reseed(seed)``, or :class:`CapabilityMissing` naming the sampler when it cannot."""
+    if not can_reseed(sampler):
+        raise CapabilityMissing(f"the {type(sampler).__name__} sampler of pool {sampler.info.pool!r} "
+                                f"({sampler.info.engine}) cannot reseed its random stream")
+    sampler.reseed(seed)  # type: ignore[attr-defined]

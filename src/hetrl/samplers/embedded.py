@@ -264,6 +264,9 @@ class EmbeddedSampler:
             self._leaves = leaves
             self._version = int(version)
 
+    supports_reseed = True
+    """It has the :class:`hetrl.samplers.base.Reseedable` capability."""
+
     def reseed(self, seed: int) -> None:
         """Restart the random stream at ``seed``: the same requests in the same calls then draw
         the same noise (common random numbers, e.g. for paired evaluations across steps)."""

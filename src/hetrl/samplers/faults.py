@@ -14,6 +14,10 @@ sampler and misbehave on purpose:
   reproducible given its call order; what was injected is counted in a shared
   :class:`ChaosLedger` (the run's ``chaos/*`` metrics).
 
+Every wrapper forwards the optional :class:`hetrl.samplers.base.Reseedable` capability of the
+sampler it wraps (and has it only when that one does); :class:`ChaosSampler` also restarts its
+own fault draws from the seed, so a reseeded drill repeats its faults too.
+
 Every poison is one the rollout gate must reject (:mod:`hetrl.core.admission`), and every other
 fault one the fleet must absorb (re-queue, restart, route around): nothing here changes what a
 healthy sampler would return.
@@ -31,7 +35,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from hetrl.core.schema import SamplerInfo
-from hetrl.samplers.base import Generation, GenerationRequest, Sampler, SamplerHealth
+from hetrl.samplers.base import Generation, GenerationRequest, Sampler, SamplerHealth, can_reseed, reseed
 
 __all__ = ["POISONS", "Slow", "Dies", "Poisoned", "ChaosConfig", "ChaosLedger", "ChaosSampler", "InjectedFault"]
 
@@ -84,6 +88,14 @@ class Slow:
 
     def health(self) -> SamplerHealth:
         return self.inner.health()
+
+    @property
+    def supports_reseed(self) -> bool:
+        return can_reseed(self.inner)
+
+    def reseed(self, seed: int) -> None:
+        """Reseed the inner sampler (:class:`hetrl.samplers.base.CapabilityMissing` if it cannot)."""
+        reseed(self.inner, seed)
 
 
 class Dies(Slow):
@@ -154,6 +166,15 @@ class ChaosLedger:
         with self._lock:
             return {f"chaos/{k}": float(v) for k, v in self.counts.items()}
 
+    def state(self) -> dict[str, int]:
+        """The counts, for a checkpoint (:meth:`restore` continues them)."""
+        with self._lock:
+            return dict(self.counts)
+
+    def restore(self, counts: Mapping[str, int]) -> None:
+        with self._lock:
+            self.counts = {k: int(v) for k, v in counts.items()}
+
 
 class ChaosSampler(Slow):
     """``inner`` with the random faults of ``config``, drawn from ``seed``, counted in ``ledger``."""
@@ -163,6 +184,12 @@ class ChaosSampler(Slow):
         self.config, self.ledger = config, ledger
         self._rng = np.random.default_rng(seed)
         self._lock = threading.Lock()
+
+    def reseed(self, seed: int) -> None:
+        """Reseed the inner sampler and restart the fault draws at (``config.seed``, ``seed``)."""
+        super().reseed(seed)
+        with self._lock:
+            self._rng = np.random.default_rng((self.config.seed, seed))
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
         c = self.config

@@ -62,7 +62,7 @@ from hetrl.core.schema import SamplerInfo, SamplingSupport
 from hetrl.errors import UserError
 from hetrl.models.config import ModelConfig
 from hetrl.models.hf_io import check_state_dict, verify_manifest
-from hetrl.samplers.base import Generation, GenerationRequest, SamplerHealth, check_request
+from hetrl.samplers.base import CapabilityMissing, Generation, GenerationRequest, SamplerHealth, check_request
 from hetrl.samplers.fleet import PoolConfig
 from hetrl.samplers.head_support import HeadSupportError, check_head_params, support_from_head
 from hetrl.samplers.profiles import SamplerNumerics
@@ -177,6 +177,12 @@ class ServerSampler:
         finally:
             with self._lock:
                 self._in_flight -= len(requests)
+
+    supports_reseed = False
+    """Not :class:`hetrl.samplers.base.Reseedable`: the servers' random streams are their own."""
+
+    def reseed(self, seed: int) -> None:
+        raise CapabilityMissing(f"pool {self.pool.name!r}: an {self.pool.engine} server cannot reseed its random stream")
 
     def update_weights(self, version: int, weights: Mapping[str, np.ndarray]) -> None:
         """Export ``weights`` as ``version`` and make every endpoint load it (module docstring)."""

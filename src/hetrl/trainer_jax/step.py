@@ -7,7 +7,7 @@ For a batch of B rollouts (target-aligned ``[B, L]`` arrays, supports ``[B, L, K
    ``numerics.compute_dtype``, e.g. BF16 with FP32 accumulation, from FP32 master weights);
 2. GRPO advantages ``A_i = R_i − mean_{g(i)} R`` (optionally / std), over the *global* batch
    (groups may span processes), with ``num_groups = B`` as a static bound;
-3. ``loss(θ) = policy_loss(LossInputs(z, ...), correction)`` (mask replay, MIS, score centering,
+3. ``loss(θ) = policy_loss(loss_inputs(z, batch, A), correction)`` (mask replay, MIS, score centering,
    token-mean reduction; :mod:`hetrl.core.correction`, called with jax.numpy arrays);
 4. ``g = ∇_θ loss``, ``θ ← θ + optimizer_update(g)`` (:mod:`hetrl.trainer_jax.optim`).
 
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from hetrl.core.correction import CorrectionConfig, LossInputs, TokenStats, grpo_advantages, mismatch_metrics, policy_loss, token_entropy
+from hetrl.core.correction import CorrectionConfig, TokenStats, grpo_advantages, loss_inputs, mismatch_metrics, policy_loss, token_entropy
 from hetrl.core.xp import masked_mean
 
 __all__ = ["STEP_FIELDS", "corrected_loss", "make_train_step"]
@@ -51,20 +51,7 @@ def corrected_loss(
     :data:`STEP_FIELDS` arrays: GRPO advantages, then :func:`policy_loss`."""
     num_rows = batch["reward"].shape[0]
     advantages = grpo_advantages(batch["reward"].astype(logits.dtype), batch["group_index"], num_rows, normalize_std)
-    inputs = LossInputs(
-        logits=logits,
-        target_ids=batch["target_ids"],
-        loss_mask=batch["loss_mask"],
-        sampler_logprobs=batch["sampler_logprobs"],
-        support_ids=batch["support_ids"],
-        support_mask=batch["support_mask"],
-        support_logprobs=batch["support_logprobs"],
-        support_kept=batch["support_kept"],
-        advantages=advantages,
-        temperature=batch["temperature"],
-        old_logprobs=old_logprobs,
-    )
-    loss, stats = policy_loss(inputs, correction)
+    loss, stats = policy_loss(loss_inputs(logits, batch, advantages, old_logprobs), correction)
     return loss, stats, advantages
 
 

@@ -27,7 +27,7 @@ from flax import nnx
 
 from hetrl.core.schema import RolloutBatch
 from hetrl.models.config import ModelConfig
-from hetrl.models.hf_io import load_state_dict, save_state_dict
+from hetrl.models.hf_io import load_state_dict, save_hf_export
 from hetrl.models.qwen_jax import Numerics, from_hf_state_dict, to_hf_state_dict
 from hetrl.trainer_jax.checkpoint import TrainCheckpointer, abstract_like
 from hetrl.trainer_jax.config import JaxTrainerConfig
@@ -170,12 +170,9 @@ class JaxTrainer:
         """Write the current weights as an HF checkpoint (``config.json``, safetensors) with
         ``hetrl_version.txt`` = :attr:`version` (process 0 writes; every process calls)."""
         weights = self.export_hf_weights()
-        directory = pathlib.Path(directory)
         if jax.process_index() == 0:
-            self.model_config.save(directory)
-            save_state_dict(directory, weights)
-            (directory / "hetrl_version.txt").write_text(f"{self.version}\n")
-        return directory
+            save_hf_export(directory, self.model_config, weights, self.version)
+        return pathlib.Path(directory)
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoints(self) -> TrainCheckpointer:
@@ -189,8 +186,7 @@ class JaxTrainer:
     def save(self, data_iterator: grain.DatasetIterator | None = None, *, force: bool = True) -> bool:
         """Checkpoint the state at :attr:`step` (with ``data_iterator``'s position, if given).
         ``force=False`` saves only every ``config.checkpoint.every`` steps. Returns whether it saved."""
-        every = self.config.checkpoint.every
-        if not force and not (every and self.step % every == 0):
+        if not force and not self.config.checkpoint.due(self.step):
             return False
         meta = {"step": self.step, "model_config": self.model_config.model_dump(mode="json")}
         self._checkpoints().save(self.step, self.params, self.opt_state, meta, data_iterator)

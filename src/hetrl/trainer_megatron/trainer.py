@@ -40,19 +40,19 @@ import torch
 
 from hetrl.core.checkpoints import complete_steps
 from hetrl.core.correction import (
-    LossInputs, TokenStats, grpo_advantages, mismatch_metrics, policy_loss,
-    replay_logprobs, token_entropy,
+    TokenStats, grpo_advantages, loss_inputs, mismatch_metrics, policy_loss, token_entropy, token_logprobs,
 )
 from hetrl.core.schema import RolloutBatch
-from hetrl.core.xp import log_softmax, masked_mean, take_along_axis
-from hetrl.models import ModelConfig, load_state_dict, save_state_dict
+from hetrl.core.xp import masked_mean
+from hetrl.models import ModelConfig, load_state_dict
+from hetrl.models.hf_io import save_hf_export
 from hetrl.trainer_megatron.config import MegatronTrainerConfig
 from hetrl.trainer_megatron.model import (
     build_gpt_model, forward_logits, initialize_parallel, transformer_config, unwrap,
 )
 from hetrl.trainer_megatron.weights import hf_to_megatron, megatron_to_hf
 
-__all__ = ["MegatronTrainer", "STEP_FIELDS", "token_logprobs"]
+__all__ = ["MegatronTrainer", "STEP_FIELDS"]
 
 STEP_FIELDS: tuple[str, ...] = (
     "input_ids", "attention_mask", "target_ids", "loss_mask", "sampler_logprobs", "support_ids", "support_mask",
@@ -64,19 +64,6 @@ STEP_FIELDS: tuple[str, ...] = (
 _CHECKPOINT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 """dist_checkpointing layout of the distributed optimizer's state: one tensor per grad-buffer
 bucket, saved and loaded fully in parallel (resharding only across data-parallel sizes)."""
-
-
-def token_logprobs(logits: torch.Tensor, mb: Mapping[str, torch.Tensor], replay: bool) -> torch.Tensor:
-    """Trainer ``log p(a)`` [b, L] with the support treatment of the loss: mask replay
-    ``z_a/T − logsumexp_{u∈S∪{a}} z_u/T`` (:func:`hetrl.core.correction.replay_logprobs`) on rows
-    whose support is the kept set when ``replay``, ``log softmax(z/T)_a`` otherwise."""
-    temperature = mb["temperature"].to(logits.dtype)
-    full = log_softmax(logits / temperature[:, None, None], axis=-1)
-    full_a = take_along_axis(full, mb["target_ids"][..., None].long(), axis=-1)[..., 0]
-    if not replay:
-        return full_a
-    replayed_a, _ = replay_logprobs(logits, mb["target_ids"], mb["support_ids"], mb["support_mask"], temperature)
-    return torch.where(mb["support_kept"][:, None], replayed_a, full_a)
 
 
 class MegatronTrainer:
@@ -176,12 +163,9 @@ class MegatronTrainer:
         """Write the current weights as an HF checkpoint (``config.json``, safetensors) with
         ``hetrl_version.txt`` = :attr:`version` (global rank 0 writes; every rank calls)."""
         weights = self.export_hf_weights()
-        directory = pathlib.Path(directory)
         if torch.distributed.get_rank() == 0:
-            self.model_config.save(directory)
-            save_state_dict(directory, weights)
-            (directory / "hetrl_version.txt").write_text(f"{self.version}\n")
-        return directory
+            save_hf_export(directory, self.model_config, weights, self.version)
+        return pathlib.Path(directory)
 
     # ------------------------------------------------------------------ batches
     def local_rows(self, global_batch_size: int) -> slice:
@@ -270,12 +254,7 @@ class MegatronTrainer:
         ``S = Σ_{t∈M} ℓ_t`` and ``n = |M|`` for the token mean (``policy_loss`` with normalizer 1),
         or ``S = Σ_i mean_{t∈M_i} ℓ_t`` and ``n`` = rows with trainable tokens for the sequence
         mean; megatron divides the summed gradient by the global ``Σ n``."""
-        inputs = LossInputs(
-            logits=logits, target_ids=mb["target_ids"], loss_mask=mb["loss_mask"], sampler_logprobs=mb["sampler_logprobs"],
-            support_ids=mb["support_ids"], support_mask=mb["support_mask"], support_logprobs=mb["support_logprobs"],
-            support_kept=mb["support_kept"], advantages=mb["advantages"], temperature=mb["temperature"],
-            old_logprobs=mb.get("old_logprobs"),
-        )
+        inputs = loss_inputs(logits, mb, mb["advantages"], mb.get("old_logprobs"))
         if self.correction.reduction == "token_mean":
             loss_sum, stats = policy_loss(inputs, self.correction, normalizer=1.0)
             count = mb["loss_mask"].sum()
@@ -311,7 +290,7 @@ class MegatronTrainer:
 
     def logprobs(self, batch: RolloutBatch) -> np.ndarray:
         """Trainer ``log p(a_t)`` [B, L] (float32) of this rank's rows under the current weights,
-        with the loss's support treatment (:func:`token_logprobs`); values off ``loss_mask``
+        with the loss's support treatment (:func:`hetrl.core.correction.token_logprobs`); values off ``loss_mask``
         are defined but meaningless."""
         micro_batches = self._micro_batches(self._tensors(batch, {}))
         replay = self.correction.replay
@@ -376,8 +355,7 @@ class MegatronTrainer:
         """Checkpoint the state at :attr:`step` under ``config.checkpoint.directory``;
         ``force=False`` saves only every ``config.checkpoint.every`` steps. Returns whether it
         saved (collective: every rank calls it)."""
-        every = self.config.checkpoint.every
-        if not force and not (every and self.step % every == 0):
+        if not force and not self.config.checkpoint.due(self.step):
             return False
         root = self._checkpoint_root()
         final, partial_dir = root / str(self.step), root / f"{self.step}.partial"

@@ -1,0 +1,83 @@
+"""The task source of the loop: train tasks in passes over the suite's train functions.
+
+Pass ``e`` visits every train function once, in a fresh random order drawn from the run's
+generator, with the examples and hidden tests of :meth:`SyntheticSuite.train_pass` ``(e)`` (task
+ids suffixed ``@<e>`` for ``e >= 1``). Memory stays flat over passes: the source holds the tasks
+of the current pass and their prompt ids only; a task of another pass (a group submitted again,
+or in flight at the checkpoint a run resumes from) is rebuilt from its id (:meth:`resolve`;
+the last such pass is kept).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from hetrl.envs.base import Task
+from hetrl.envs.tasks_synthetic import SyntheticSuite
+
+__all__ = ["TaskSource"]
+
+
+class TaskSource:
+    """Train tasks of ``suite`` in passes (see the module docstring), the order drawn from
+    ``rng``; ``prompt_ids(task)`` tokenizes a task's prompt (cached per current-pass task)."""
+
+    def __init__(self, suite: SyntheticSuite, rng: np.random.Generator, prompt_ids: Callable[[Task], np.ndarray]):
+        self.suite, self._rng, self._prompt_ids = suite, rng, prompt_ids
+        self._order: list[int] = []
+        self.passes = 0
+        """Passes started so far (the current one is ``passes - 1``)."""
+        self._pass: tuple[Task, ...] = ()
+        self._current: dict[str, Task] = {}
+        self._prompts: dict[str, np.ndarray] = {}
+        self._other: tuple[int, dict[str, Task]] = (-1, {})  # the last other pass rebuilt by resolve
+
+    def next(self) -> Task:
+        """The next train task (a new pass starts when the current one is used up)."""
+        if not self._order:
+            self._order = [int(i) for i in self._rng.permutation(len(self.suite.train))]
+            self._start_pass(self.passes)
+            self.passes += 1
+        return self._pass[self._order.pop(0)]
+
+    def resolve(self, task_id: str) -> Task:
+        """The train task ``task_id`` of any pass. Raises KeyError for an id no pass has."""
+        if task_id in self._current:
+            return self._current[task_id]
+        base, sep, suffix = task_id.rpartition("@")
+        epoch = int(suffix) if sep and suffix.isdigit() else 0
+        if self._other[0] != epoch:
+            self._other = (epoch, {t.task_id: t for t in self.suite.train_pass(epoch)})
+        return self._other[1][task_id]
+
+    def prompt(self, task: Task) -> np.ndarray:
+        """The prompt ids of ``task`` (cached while its pass is the current one)."""
+        if task.task_id in self._prompts:
+            return self._prompts[task.task_id]
+        ids = self._prompt_ids(task)
+        if task.task_id in self._current:
+            self._prompts[task.task_id] = ids
+        return ids
+
+    def held(self) -> int:
+        """Tasks and prompts held now (bounded by about three passes, whatever the run's length)."""
+        return len(self._current) + len(self._prompts) + len(self._other[1])
+
+    # ------------------------------------------------------------------ resume
+    def state(self) -> dict[str, Any]:
+        """What :meth:`restore` continues from: the generator, the current pass's remaining order, passes."""
+        return {"rng": self._rng.bit_generator.state, "order": list(self._order), "passes": self.passes}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        self._rng.bit_generator.state = state["rng"]
+        self._order = [int(i) for i in state["order"]]
+        self.passes = int(state["passes"])
+        if self.passes:
+            self._start_pass(self.passes - 1)
+
+    def _start_pass(self, epoch: int) -> None:
+        self._pass = self.suite.train_pass(epoch)
+        self._current = {t.task_id: t for t in self._pass}
+        self._prompts = {}
