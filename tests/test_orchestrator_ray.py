@@ -116,7 +116,7 @@ def test_backend_flag_sets_the_config_key(capsys):
 def test_a_bad_backend_fails_naming_the_key():
     from hetrl.config import ConfigError
 
-    with pytest.raises(ConfigError, match=r"backend: Input should be 'local' or 'ray'"):
+    with pytest.raises(ConfigError, match=r"^--set backend=rai: Input should be 'local' or 'ray'"):
         load_config("tiny_mixed.yaml", ["backend=rai"])
-    with pytest.raises(ConfigError, match=r"ray\.num_cpus: Input should be greater than or equal to 1"):
+    with pytest.raises(ConfigError, match=r"^--set ray\.num_cpus=0: Input should be greater than or equal to 1"):
         load_config("tiny_mixed.yaml", ["ray.num_cpus=0"])

@@ -23,6 +23,8 @@ import time
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each test trains tiny runs (minutes on 2 cores)
+
 STEPS = 4
 KILL_AFTER_STEP = 2
 TIMING_PREFIXES = ("time/", "throughput/")  # wall-clock measurements: the only keys allowed to differ

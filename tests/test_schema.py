@@ -84,6 +84,7 @@ def _malformed(r: Rollout):
         ("truncated sampling without support", dataclasses.replace(r, support=None), "support"),
         ("head kind under truncation", with_support(r, kind="head"), "support.kind"),
         ("NaN reward", dataclasses.replace(r, reward=float("nan")), "reward"),
+        ("reward beyond float32", dataclasses.replace(r, reward=1e39), "reward"),  # a finite float64, inf in a batch
         ("unknown finish reason", dataclasses.replace(r, finish_reason="timeout"), "finish_reason"),
         ("empty group id", dataclasses.replace(r, group_id=""), "group_id"),
         ("decreasing versions", dataclasses.replace(r, policy_version=versions), "policy_version"),

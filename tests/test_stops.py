@@ -273,6 +273,7 @@ def test_the_launcher_stops_its_child_and_kills_one_that_does_not_stop(tmp_path)
     code = {"obeys": "import time; time.sleep(60)",
             "ignores": "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('x', flush=True); "
                        "time.sleep(60)"}
+    before = set(_children(os.getpid()))  # other tests' helpers (a Ray worker, ...) are not the launcher's
     for kind, expected in (("obeys", -signal.SIGTERM), ("ignores", -signal.SIGKILL)):
         token = StopToken()
         launcher = SubprocessLauncher(dict(os.environ), stop=token, grace_s=1.0)
@@ -280,7 +281,7 @@ def test_the_launcher_stops_its_child_and_kills_one_that_does_not_stop(tmp_path)
         started = time.monotonic()
         assert launcher(None, [sys.executable, "-c", code[kind]], tmp_path) == expected, kind
         assert time.monotonic() - started < 15
-    assert not _children(os.getpid())
+    assert set(_children(os.getpid())) <= before
 
 
 def test_a_stopped_grid_starts_no_run(tmp_path):

@@ -33,6 +33,8 @@ import msgpack
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
 FinishReason = Literal["stop", "length", "abort", "error"]
 SupportKind = Literal["kept", "head"]
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "error")
@@ -176,8 +178,10 @@ class Rollout:
             fail("sampler", f"must be SamplerInfo, got {type(self.sampler).__name__}")
         if self.finish_reason not in FINISH_REASONS:
             fail("finish_reason", f"must be one of {FINISH_REASONS}, got {self.finish_reason!r}")
-        if isinstance(self.reward, bool) or not isinstance(self.reward, (int, float)) or not math.isfinite(self.reward):
-            fail("reward", f"must be a finite number, got {self.reward!r}")
+        if (isinstance(self.reward, bool) or not isinstance(self.reward, (int, float)) or not math.isfinite(self.reward)
+                or abs(self.reward) > _FLOAT32_MAX):
+            fail("reward", f"must be a finite number within float32 range (batches hold it as float32), "
+                           f"got {self.reward!r}")
         if not all(isinstance(k, str) and isinstance(v, (int, float)) for k, v in self.timings.items()):
             fail("timings", "must map strings to numbers")
 

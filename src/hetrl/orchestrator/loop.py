@@ -102,7 +102,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from hetrl.config import RunConfig
+from hetrl.config import ConfigError, RunConfig
 from hetrl.core.admission import RolloutGate
 from hetrl.core.buffer import RolloutBuffer, RolloutGroup
 from hetrl.core.schema import SamplingParams, collate
