@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from factories import random_batch, random_rollout
 from hetrl.core.schema import (
@@ -213,3 +214,11 @@ def test_batch_serialization_round_trips_exactly():
         from safetensors.numpy import save
 
         RolloutBatch.from_bytes(save({"x": np.zeros(2)}))
+
+
+@pytest.mark.parametrize("field, value", [("temperature", 1e39), ("top_k", 2**31)])
+def test_sampling_params_beyond_the_batch_dtypes_are_refused(field, value):
+    """A batch holds temperature as float32 and top_k as int32: a finite float64 temperature past
+    float32's range became inf in collate (found by the byte-flipping fuzz test), so it is refused."""
+    with pytest.raises(ValidationError, match=field):
+        SamplingParams(**{field: value})

@@ -34,6 +34,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
+"""The largest value a float32 batch field (reward, temperature) holds: larger ones are refused."""
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 SupportKind = Literal["kept", "head"]
@@ -76,13 +77,14 @@ class SamplerInfo(BaseModel):
 
 
 class SamplingParams(BaseModel):
-    """Sampling parameters a rollout was generated with. ``top_k=0`` means no top-k."""
+    """Sampling parameters a rollout was generated with. ``top_k=0`` means no top-k. Every value
+    fits the batch's dtype (float32 temperature, int32 top-k), so collating never overflows."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    temperature: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)
+    temperature: float = Field(default=1.0, gt=0.0, le=_FLOAT32_MAX, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: int = Field(default=0, ge=0)
+    top_k: int = Field(default=0, ge=0, le=np.iinfo(np.int32).max)
 
     @property
     def truncated(self) -> bool:

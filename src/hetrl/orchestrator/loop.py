@@ -652,7 +652,7 @@ class AsyncOrchestrator(abc.ABC):
                     if eval_every and (self.trainer.version % eval_every == 0 or self.trainer.version == cfg.steps):
                         record.update(self._evaluate(weights))
                     if self.trainer.save(force=False):
-                        self._snapshot_state()
+                        self._snapshot_state(weights)
                     history.append(record)
                     if self.trainer.version % cfg.logging.every == 0 or self.trainer.version == cfg.steps:
                         writer.log(record)
@@ -694,11 +694,12 @@ class AsyncOrchestrator(abc.ABC):
                          list(led.closed["rejected"]), list(led.closed["failed"]), [g.group_id for g in led.in_flight()])
 
     # ================================================================== helpers
-    def _snapshot_state(self) -> None:
+    def _snapshot_state(self, weights: Mapping[str, np.ndarray] | None = None) -> None:
         """Beside the trainer's checkpoint at its version: the buffer (``buffer-<v>.json``) and the
         loop's own state (``loop-<v>.json``: data order, next group id, the tasks of groups in
         flight, counters, the fleet's cumulative counters and the admission gate's record),
-        taken together under the lock."""
+        taken together under the lock; and the policy as an HF checkpoint ``hf/step-<v>``
+        (``weights``: the trainer's export at this version, if the caller has it)."""
         v = self.trainer.version
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         with self._lock:
@@ -710,7 +711,7 @@ class AsyncOrchestrator(abc.ABC):
             }
         write_atomic(self.checkpoint_dir / f"buffer-{v}.json", json.dumps(buffer))
         write_atomic(self.checkpoint_dir / f"loop-{v}.json", json.dumps(loop))
-        self.folder.export_hf(v, self.trainer.export_hf_weights(), self.model_dir)
+        self.folder.export_hf(v, self.trainer.export_hf_weights() if weights is None else weights, self.model_dir)
         self.folder.prune_hf(self.trainer.checkpoint_steps())
 
     def _restore_loop_state(self, state: Mapping[str, Any]) -> None:

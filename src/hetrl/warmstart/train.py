@@ -36,10 +36,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from hetrl.envs.base import ChatFormat
 from hetrl.envs.coding import CodingEnv, CodingEnvConfig, FunctionTask
 from hetrl.envs.tasks_synthetic import suite_programs, suite_task, synthetic_suite, train_draw
+from hetrl.formatting import fmt
 from hetrl.models.config import ModelConfig
 from hetrl.models.tiny import SPECIAL_TOKENS, TINY_QWEN3, save_checkpoint, train_tokenizer
 from hetrl.stopping import current
-from hetrl.orchestrator.report import fmt
 from hetrl.warmstart.config import WarmstartConfig
 
 __all__ = ["RESULT_FILE", "model_config", "training_tasks", "run_warmstart", "evaluate_checkpoint"]
