@@ -16,25 +16,34 @@ Threads of the driver:
   worker per pool replica**: ``fleet.serve_once(replica)`` takes the first turn of
   groups routed to it; the worker then plays each group's episodes to the end on the same replica
   (:class:`hetrl.orchestrator.episodes.EpisodeRunner`), with rewards from the environment,
-  passes every rollout through the :class:`hetrl.core.admission.RolloutGate` (malformed or
-  poisoned ones are rejected and counted per pool and reason, never trained; a pool that returns
-  too many is quarantined by ``fleet.quarantine``: the fleet stops routing to it and its work,
-  queued, in flight or returned afterwards, is sampled again on the other pools) and puts the
-  group into the :class:`RolloutBuffer`;
+  passes every rollout through the replica supervisor's admission
+  (:meth:`hetrl.orchestrator.supervisor.ReplicaSupervisor.admit`: the
+  :class:`hetrl.core.admission.RolloutGate` rejects malformed or poisoned ones, counted per pool
+  and reason, never trained; a pool that returns too many is quarantined: the fleet stops routing
+  to it and its work, queued, in flight or returned afterwards, is sampled again on the other
+  pools) and puts the group into the :class:`RolloutBuffer`;
 * the **trainer loop** (the calling thread): ``buffer.take(batch_groups, trainer.version)``
   returns as soon as that many groups are ready, none older than ``max_staleness`` versions; the
   batch is collated and trained on with one ``train_step``; the new weights are published to the
-  fleet with the new version.
+  fleet with the new version. While it waits for a batch it lets the supervisor tend the fleet
+  (``supervisor.tend``: dead replicas rebuilt per ``fleet.restart``, in restart threads).
+
+**Replicas** are looked after by one :class:`hetrl.orchestrator.supervisor.ReplicaSupervisor`:
+health probes (when due, not before every call), restarts, quarantine (the admission gate's
+record, re-applied to the fleet on resume) and aborts; the fleet only routes and serves.
 
 **Weight updates** (``async.weight_update``). ``between_requests``: replicas load new weights
 between generate calls; a call in flight, and the later turns of its groups, finish on the
-weights they started with. ``abort``: in addition, a group whose generation overlaps a newer
-publication is retracted at the next turn boundary (after its first turn, before each later
-turn, and when its last turn returns): nothing of it is buffered, and its prompt is submitted
-again as a new group, so it is regenerated on the new weights (counted as
-``rollout/retracted``). So no buffered group was overtaken by newer weights while any of its
-turns was generated. The turn running when the weights change still runs to its end (the
-embedded engine has no mid-turn cancel), so abort saves the later turns, not that one.
+weights they started with. ``abort``: in addition, each publication aborts the calls running on
+every replica whose sampler can abort (:class:`hetrl.samplers.base.Abortable`: the embedded
+engine, locally or in a Ray actor, stops before its next decode step), and a group whose
+generation overlaps a newer publication is retracted at the next turn boundary (after its first
+turn, before each later turn, and when its last turn returns; a turn cut by an abort is always
+overtaken): nothing of it is buffered, and its prompt is submitted again as a new group, so it
+is regenerated on the new weights (counted as ``rollout/retracted``). So no buffered group was
+overtaken by newer weights while any of its turns was generated, and no aborted turn is ever
+trained on. On a replica that cannot abort (an SGLang pool) the turn running when the weights
+change still runs to its end, so abort saves only the later turns there.
 
 **Feeding and pacing.** Prompts cycle through the train functions of the synthetic coding suite,
 reshuffled every pass by ``seed``, each pass with fresh examples and hidden tests
@@ -121,6 +130,7 @@ from hetrl.orchestrator.preflight import TRAINER_RANKS, check_runnable
 from hetrl.orchestrator.report import RunConsole, write_plots
 from hetrl.orchestrator.run_folder import RunFolder, write_atomic
 from hetrl.orchestrator.schedule import Driver, Schedule, make_schedule
+from hetrl.orchestrator.supervisor import ReplicaSupervisor
 from hetrl.orchestrator.tasks import TaskSource
 from hetrl.orchestrator.trainer_handle import TrainerHandle
 from hetrl.samplers.base import Generation, GenerationRequest, Sampler, can_reseed
@@ -393,13 +403,20 @@ class AsyncOrchestrator(abc.ABC):
         if self.config.async_.weight_update == "abort" and version < self.fleet.published_version:
             raise Retracted
 
+    def _retract_if_overtaken(self, generations: Sequence[Generation]) -> None:
+        """Under ``weight_update: abort``, raise :class:`Retracted` if newer weights overtook a
+        turn: published after its oldest token's version, or its call aborted by a publication."""
+        if self.config.async_.weight_update == "abort" and any(g.finish_reason == "abort" for g in generations):
+            raise Retracted
+        self._retract_if_stale(_oldest_version(generations))
+
     def _continue_fn(self, replica: Replica) -> Callable[[Sequence[GenerationRequest]], list[Generation]]:
         """Later turns of a group on ``replica``; under ``abort`` retracted before a turn would
         start on old weights and after a turn that newer weights overtook."""
         def generate(requests: Sequence[GenerationRequest]) -> list[Generation]:
             self._retract_if_stale(replica.weight_version or 0)
             out = replica.sampler.generate(requests)
-            self._retract_if_stale(_oldest_version(out))
+            self._retract_if_overtaken(out)
             return out
         return generate
 
@@ -413,7 +430,7 @@ class AsyncOrchestrator(abc.ABC):
             return
         sampling = self.config.async_.sampling
         try:
-            self._retract_if_stale(_oldest_version(result.generations))
+            self._retract_if_overtaken(result.generations)
             outcome = self.runner.run_group(spec.group_id, spec.task, spec.prompt, result.generations, sampling,
                                             self._continue_fn(replica))
         except Retracted:  # weights changed under it: regenerate the prompt on the new ones
@@ -425,11 +442,10 @@ class AsyncOrchestrator(abc.ABC):
             self._close_and_resubmit(spec, "failed")
             return
         pool = replica.pool.name
-        admission = self.gate.admit(pool, outcome.rollouts, outcome.rejected, published_version=self.fleet.published_version)
-        if admission.quarantined is not None:
-            self.fleet.quarantine(pool, admission.quarantined)
+        admission = self.supervisor.admit(pool, outcome.rollouts, outcome.rejected,
+                                          published_version=self.fleet.published_version)
         buffered = admission.admitted + admission.stale  # the buffer drops or regenerates the stale ones
-        quarantined = self.gate.is_quarantined(pool)
+        quarantined = self.supervisor.is_quarantined(pool)
         with self._lock:
             self._counts["rollouts_rejected"] += len(admission.rejected) + len(outcome.errors)
             self._counts["rollouts_valid"] += len(buffered)
@@ -456,41 +472,13 @@ class AsyncOrchestrator(abc.ABC):
             else:
                 self.ledger.close(spec.group_id, "refused")
 
-    def _restart_dead_replicas(self) -> bool:
-        """Start rebuilding each dead replica whose :class:`RestartPolicy` allows it (its pool not
-        quarantined, restarts left, ``delay_s`` passed since it died), each in its own thread.
-        Returns whether any dead replica is being rebuilt or may still be."""
-        policy = self.config.fleet.restart
-        now, pending = time.monotonic(), False
-        for r in self.fleet.replicas:
-            if r.alive or r.pool.name in self.fleet.quarantined or r.died_at is None:
-                continue
-            if self._restart_attempts.get(r.key, 0) >= policy.max_per_replica:
-                continue
-            pending = True
-            if r.key in self._restarting or now - r.died_at < policy.delay_s:
-                continue
-            self._restarting.add(r.key)
-            self._restart_attempts[r.key] = self._restart_attempts.get(r.key, 0) + 1
-            self._start_thread(self._restart_replica, r, name=f"restart-{r.key}")
-        return pending
+    def _rebuild_sampler(self, replica: Replica) -> Sampler:
+        """A new sampler for the dead ``replica`` (the supervisor's restarts)."""
+        return self._make_sampler(replica.pool, self.fleet.numerics[replica.pool.name], replica.index)
 
-    def _restart_replica(self, replica: Replica) -> None:
-        """Build ``replica``'s sampler again; once it answers healthy, put it back and serve it."""
-        try:
-            sampler = self._make_sampler(replica.pool, self.fleet.numerics[replica.pool.name], replica.index)
-            health = sampler.health()
-            if not health.healthy:
-                raise RuntimeError(f"unhealthy after restart: {health.detail}")
-            if self.fleet.revive(replica, sampler):
-                self.schedule.revived(replica)
-        except Exception as err:  # try again after the delay, while attempts remain
-            log.warning("restarting replica %s failed: %s", replica.key, err)
-            replica.died_at = time.monotonic()
-            with self._lock:
-                self._errors.append(f"restart of {replica.key} failed: {err}")
-        finally:
-            self._restarting.discard(replica.key)
+    def _record_error(self, message: str) -> None:
+        with self._lock:
+            self._errors.append(message)
 
     def _start_worker(self, replica: Replica) -> None:
         self._start_thread(self._worker, replica, name=f"worker-{replica.key}")
@@ -569,9 +557,13 @@ class AsyncOrchestrator(abc.ABC):
         self._counts = {k: 0 for k in ("rollouts_valid", "rollouts_rejected", "groups_rejected", "groups_rerouted",
                                        "continuation_failures", "groups_trained")}
         self._carried_over: list[Task] = []  # tasks in flight at the checkpoint a resumed run starts from
+        self._errors: list[str] = []
+        self.supervisor = ReplicaSupervisor(
+            self.fleet, self.gate, cfg.fleet.restart, self._rebuild_sampler,
+            start_thread=lambda target, replica, name: self._start_thread(target, replica, name=name),
+            on_revived=self.schedule.revived, on_error=self._record_error)
         if self._resume_state is not None:
             self._restore_loop_state(self._resume_state)
-        self._errors: list[str] = []
         self._rollout_versions: dict[str, list[int]] = {}
         self._rollout_spans: dict[str, list[tuple[int, int]]] = {}
         self._rewards: list[float] = []
@@ -584,8 +576,6 @@ class AsyncOrchestrator(abc.ABC):
                 history.append({"step": 0, **scores})
                 writer.log(history[-1])
         self._threads: list[threading.Thread] = []  # every thread started, joined by _shutdown
-        self._restarting: set[str] = set()
-        self._restart_attempts: dict[str, int] = {}
         self._top_up()
         self.schedule.start()
         a = cfg.async_
@@ -602,10 +592,7 @@ class AsyncOrchestrator(abc.ABC):
                         groups = self.buffer.take(a.batch_groups, self.trainer.version,
                                                   timeout=self.schedule.take_timeout_s)
                         self._top_up()
-                        restartable = self._restart_dead_replicas()
-                        if not groups and not restartable and not any(r.alive for r in self.fleet.replicas):
-                            raise RuntimeError("every sampler replica is dead or quarantined; the run cannot "
-                                               f"continue (quarantined: {self.gate.quarantined() or 'none'})")
+                        self.supervisor.tend(need_replicas=not groups)
                     if not groups:  # stopped while waiting for a batch
                         break
                     wait_s = time.monotonic() - wait_start
@@ -619,6 +606,8 @@ class AsyncOrchestrator(abc.ABC):
                     step_s = time.monotonic() - step_start
                     weights = self.trainer.export_hf_weights()
                     self.fleet.publish_weights(self.trainer.version, weights)
+                    if a.weight_update == "abort":
+                        self.supervisor.abort_in_flight()
                     with self._lock:
                         self.ledger.train(((g.group_id, g.pool, g.min_version) for g in groups), version)
                     self._top_up()  # the trained batch no longer counts: sample the next at once
@@ -679,7 +668,7 @@ class AsyncOrchestrator(abc.ABC):
             "rollouts_rejected": self._counts["rollouts_rejected"], "requeues": int(fm["fleet/requeues"]),
             "output_dir": str(self.output_dir), "errors_sample": self._errors[-5:],
             "continuation_failures": self._counts["continuation_failures"],
-            "quarantined": self.gate.quarantined(), "replica_restarts": int(fm["fleet/restarts"]),
+            "quarantined": self.supervisor.quarantined(), "replica_restarts": int(fm["fleet/restarts"]),
             "groups_pending": len(self.buffer), "groups_in_flight": len(self.ledger.in_flight()),
             "steps": cfg.steps, "stopped": self.trainer.version < cfg.steps,
             **({k.replace("chaos/", "chaos_"): int(v) for k, v in self.chaos_ledger.metrics().items()}
@@ -707,7 +696,7 @@ class AsyncOrchestrator(abc.ABC):
             loop = {
                 "version": v, "next_gid": self._next_gid, **self.tasks.state(),
                 "in_flight_tasks": [g.task.task_id for g in self.ledger.in_flight()], "counts": dict(self._counts),
-                "fleet": self.fleet.counters_state(), "admission": self.gate.state(), "chaos": self.chaos_ledger.state(),
+                "fleet": self.fleet.counters_state(), "admission": self.supervisor.state(), "chaos": self.chaos_ledger.state(),
             }
         write_atomic(self.checkpoint_dir / f"buffer-{v}.json", json.dumps(buffer))
         write_atomic(self.checkpoint_dir / f"loop-{v}.json", json.dumps(loop))
@@ -723,9 +712,7 @@ class AsyncOrchestrator(abc.ABC):
         self._carried_over = [self.tasks.resolve(t) for t in state["in_flight_tasks"]]
         self.chaos_ledger.restore(state.get("chaos", {}))
         self.fleet.restore_counters(state["fleet"])
-        self.gate.restore_state(state["admission"])
-        for pool, reason in self.gate.quarantined().items():
-            self.fleet.quarantine(pool, reason)
+        self.supervisor.restore(state["admission"])
 
     def _prune_snapshots(self, keep_steps: list[int]) -> None:
         for pattern in ("buffer-*.json", "loop-*.json"):
@@ -742,7 +729,7 @@ class AsyncOrchestrator(abc.ABC):
             c = counters.get(name)
             rows.append({
                 "pool": name, "numerics": f"{pool.accelerator} {n.weight_format}/{n.kv_format}",
-                "alive": "quarantined" if name in self.fleet.quarantined else f"{sum(r.alive for r in reps)}/{len(reps)}",
+                "alive": "quarantined" if self.supervisor.is_quarantined(name) else f"{sum(r.alive for r in reps)}/{len(reps)}",
                 "weight_version": ",".join("-" if r.weight_version is None else str(r.weight_version) for r in reps),
                 "requests": int(fm[f"pool/{name}/requests"]), "tokens": int(fm[f"pool/{name}/tokens"]),
                 "trained": c.groups_out if c else 0, "dropped": c.dropped if c else 0,

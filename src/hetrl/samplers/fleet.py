@@ -23,14 +23,16 @@ has a free slot.
 **Serving.** Each replica's worker (a thread of the orchestrator, or :meth:`Fleet.generate`)
 calls :meth:`Fleet.serve_once`: load the newest published weights if the replica's are older
 (weights change only between calls, so weight versions are monotone per replica and per pool),
-check ``health()``, take assigned jobs (up to ``max_batch`` requests; at least one job), call
+ask :attr:`Fleet.health_probe` (default: ``health()`` before every call; the orchestrator's
+:class:`hetrl.orchestrator.supervisor.ReplicaSupervisor` probes only when due), take assigned jobs (up to ``max_batch`` requests; at least one job), call
 ``generate`` once, and return a :class:`JobResult` per job.
 
 **Failure.** A replica that raises, reports unhealthy, or returns generations that do not
 match its requests one to one is marked dead; every job assigned to it (in flight or waiting)
 goes back to the front of the queue, in order, and is routed elsewhere, so a job is delivered
 exactly once. A dead replica serves again only once :meth:`Fleet.revive` puts it back with a new
-sampler (the orchestrator does so per :class:`RestartPolicy`); otherwise the pool shrinks.
+sampler (the orchestrator's replica supervisor does so per :class:`RestartPolicy`); otherwise the
+pool shrinks.
 
 **Quarantine.** A pool whose rollouts are rejected too often (the policy is
 :class:`hetrl.core.admission.QuarantineConfig`, ``FleetConfig.quarantine``; the orchestrator
@@ -66,7 +68,7 @@ import numpy as np
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from hetrl.core.admission import QuarantineConfig
-from hetrl.samplers.base import Generation, GenerationRequest, Sampler
+from hetrl.samplers.base import Generation, GenerationRequest, Sampler, SamplerHealth
 from hetrl.samplers.faults import ChaosConfig
 from hetrl.samplers.profiles import CATALOGUE, SamplerNumerics, get_profile
 
@@ -266,12 +268,16 @@ class RestartPolicy(BaseModel):
     unhealthy): its jobs are re-queued at once; then, ``delay_s`` seconds later, the loop builds
     it again (a new embedded engine or Ray actor; a new client of the same server endpoint, which
     must answer its health check) and puts it back into routing, at most ``max_per_replica``
-    times per replica (0: the pool shrinks instead). A quarantined pool is never restarted."""
+    times per replica (0: the pool shrinks instead). A quarantined pool is never restarted.
+    ``health_every_s``: a replica that answered healthy is asked again before a call only after
+    this long (and always after a restart or a weight load); 0 probes before every call.
+    (:class:`hetrl.orchestrator.supervisor.ReplicaSupervisor` applies it.)"""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     max_per_replica: int = Field(3, ge=0)
     delay_s: float = Field(2.0, ge=0.0, allow_inf_nan=False)
+    health_every_s: float = Field(30.0, ge=0.0, allow_inf_nan=False)
 
 
 class FleetConfig(BaseModel):
@@ -411,6 +417,9 @@ class Fleet:
         self._closed = False
         self._epoch = 0  # bumped by _wake_all: waiting serve_once calls return
         self.quarantined: dict[str, str] = {}  # pool -> reason
+        self.health_probe: Callable[[Replica], SamplerHealth | None] = lambda r: r.sampler.health()
+        """Asked before each ``generate`` call of a replica, in its serving thread: its health, or
+        None for no probe this time (unhealthy: the replica is marked dead). Default: every call."""
 
     @classmethod
     def from_config(cls, config: FleetConfig, factory: SamplerFactory) -> "Fleet":
@@ -515,8 +524,8 @@ class Fleet:
             if weights is not None and weights[0] != r.weight_version:
                 r.sampler.update_weights(weights[0], weights[1])
                 r.weight_version = weights[0]
-            health = r.sampler.health()
-            if not health.healthy:
+            health = self.health_probe(r)
+            if health is not None and not health.healthy:
                 raise FleetError(f"replica {r.key} is unhealthy: {health.detail}")
         except Exception:
             self._fail(r)
