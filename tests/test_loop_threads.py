@@ -47,7 +47,7 @@ def test_a_restart_running_at_shutdown_is_joined_and_starts_no_worker(tmp_path):
     orch.fleet, orch.buffer = _Fleet(cfg.fleet.pools[0]), RolloutBuffer(1)
     orch.schedule = make_schedule("async", orch.fleet, Driver(orch._top_up, orch._finish_group, orch._start_worker), 0)
     orch._lock, orch._stop, orch._threads, orch._errors = threading.RLock(), threading.Event(), [], []
-    supervisor = ReplicaSupervisor(orch.fleet, RolloutGate(QuarantineConfig(), vocab_size=8, max_length=8, max_staleness=1),
+    orch.supervisor = supervisor = ReplicaSupervisor(orch.fleet, RolloutGate(QuarantineConfig(), vocab_size=8, max_length=8, max_staleness=1),
                                    cfg.fleet.restart, orch._rebuild_sampler,
                                    start_thread=lambda target, r, name: orch._start_thread(target, r, name=name),
                                    on_revived=orch.schedule.revived, on_error=orch._record_error)

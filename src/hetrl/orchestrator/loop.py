@@ -127,6 +127,7 @@ from hetrl.orchestrator.evaluation import evaluate_tasks
 from hetrl.orchestrator.ledger import Closed, GroupLedger, GroupSpec
 from hetrl.orchestrator.monitors import build_monitors
 from hetrl.orchestrator.preflight import TRAINER_RANKS, check_runnable
+from hetrl.orchestrator.recorder import StepRecorder
 from hetrl.orchestrator.report import RunConsole, write_plots
 from hetrl.orchestrator.run_folder import RunFolder, write_atomic
 from hetrl.orchestrator.schedule import Driver, Schedule, make_schedule
@@ -494,11 +495,14 @@ class AsyncOrchestrator(abc.ABC):
 
     def _shutdown(self) -> None:
         """Stop the driver's threads and join every one: the stop flag is set under the lock that
-        :meth:`_start_thread` holds, so no thread joins the list after it and none is missed."""
+        :meth:`_start_thread` holds, so no thread joins the list after it and none is missed.
+        The calls running on replicas that can abort are aborted (their groups stay unfinished
+        either way), so their workers leave at once."""
         with self._lock:
             self._stop.set()
         self.fleet.close()
         self.buffer.close()
+        self.supervisor.abort_in_flight()
         deadline = time.monotonic() + WORKER_JOIN_S  # a worker may be inside a generate call (or its compilation)
         for t in self._threads:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -568,22 +572,23 @@ class AsyncOrchestrator(abc.ABC):
         self._rollout_spans: dict[str, list[tuple[int, int]]] = {}
         self._rewards: list[float] = []
         eval_every = self.options.eval.every
-        history: list[dict[str, Any]] = list(self._resumed_history)
         writer = build_monitors(cfg, self.metrics_path, self.tensorboard_dir)
+        recorder = StepRecorder(
+            self.fleet, self.buffer, monitors=writer, display=self.display, total_steps=cfg.steps,
+            log_every=cfg.logging.every, history=self._resumed_history, t_start=t_start,
+            sources=[self.gate.metrics] + ([self.chaos_ledger.metrics] if cfg.fleet.chaos is not None else []))
         if eval_every and self.trainer.version == 0:  # the starting policy's score, to compare the run's with
             scores = self._evaluate(self.trainer.export_hf_weights())  # {} when stopped during it
             if scores:
-                history.append({"step": 0, **scores})
-                writer.log(history[-1])
+                recorder.log({"step": 0, **scores})
         self._threads: list[threading.Thread] = []  # every thread started, joined by _shutdown
         self._top_up()
         self.schedule.start()
         a = cfg.async_
-        max_stale_seen = -1
-        last_time, last_gen_tokens = time.monotonic(), 0.0
+        recorder.start()
         try:
             self.display.start_training(self.trainer.version)
-            with self.display as display:
+            with self.display:
                 while self.trainer.version < cfg.steps and not self._stop_requested.is_set():
                     wait_start = time.monotonic()
                     groups: list[RolloutGroup] = []
@@ -611,41 +616,18 @@ class AsyncOrchestrator(abc.ABC):
                     with self._lock:
                         self.ledger.train(((g.group_id, g.pool, g.min_version) for g in groups), version)
                     self._top_up()  # the trained batch no longer counts: sample the next at once
-                    self.fleet.record_mismatch(metrics)
                     for g in groups:
                         self.fleet.record_trained(g.pool, int(sum(r.loss_mask.sum() for r in g.rollouts)))
                     self._counts["groups_trained"] += len(groups)
-                    stale = [version - g.min_version for g in groups]
-                    max_stale_seen = max(max_stale_seen, *stale)
-                    now = time.monotonic()
-                    fm = self.fleet.metrics()
-                    gen_tokens = fm["fleet/tokens"]
-                    record: dict[str, Any] = {
-                        "step": self.trainer.version, "time/wall_s": now - t_start, "time/step_s": step_s,
-                        "time/wait_s": wait_s, **metrics,
-                        "reward/mean": float(np.mean([r.reward for r in rollouts])),
-                        "reward/std": float(np.std([r.reward for r in rollouts])),
-                        "rollout/response_tokens": float(np.mean([r.response_ids.shape[0] for r in rollouts])),
-                        "rollout/turns": float(np.mean([r.timings.get("turns", 1.0) for r in rollouts])),
-                        "staleness/mean": float(np.mean(stale)), "staleness/max": float(max(stale)),
-                        "throughput/gen_tokens_per_s": (gen_tokens - last_gen_tokens) / max(now - last_time, 1e-9),
-                        "throughput/trained_tokens_per_s": float(batch.loss_mask.sum()) / max(now - last_time, 1e-9),
-                        **{f"batch/pool/{p}/groups": float(sum(g.pool == p for g in groups)) for p in self.pool_names},
-                        **{k: v for k, v in fm.items()}, **self.buffer.metrics(), **self.gate.metrics(),
-                        **(self.chaos_ledger.metrics() if cfg.fleet.chaos is not None else {}),
-                        **{f"rollout/{k}": float(v) for k, v in self._counts.items()},
-                        "rollout/retracted": float(len(self.ledger.closed["retracted"])),
-                    }
-                    last_time, last_gen_tokens = now, gen_tokens
-                    record["rollout/solved"] = float(np.mean([r.timings.get("solved", 0.0) for r in rollouts]))
+                    record = recorder.record(
+                        self.trainer.version, trained_at=version, groups=groups, batch=batch, metrics=metrics,
+                        wait_s=wait_s, step_s=step_s,
+                        counts={**self._counts, "retracted": len(self.ledger.closed["retracted"])})
                     if eval_every and (self.trainer.version % eval_every == 0 or self.trainer.version == cfg.steps):
-                        record.update(self._evaluate(weights))
+                        record.scalars.update(self._evaluate(weights))
                     if self.trainer.save(force=False):
                         self._snapshot_state(weights)
-                    history.append(record)
-                    if self.trainer.version % cfg.logging.every == 0 or self.trainer.version == cfg.steps:
-                        writer.log(record)
-                    display.step(record, self._pool_rows(fm))
+                    recorder.commit(record)
         finally:
             self._shutdown()
             writer.close()
@@ -656,13 +638,15 @@ class AsyncOrchestrator(abc.ABC):
         self.trainer.close()
         self._prune_snapshots(steps)
         self.folder.prune_hf(steps)
+        history = recorder.history
         plots = write_plots(history, self.pool_names, self.folder.plots)
         fm = self.fleet.metrics()
         bm = self.buffer.metrics()
         final = {
             "backend": self.backend,
             "wall_s": time.monotonic() - t_start, "version": self.trainer.version,
-            "max_staleness": max([max_stale_seen] + [int(r["staleness/max"]) for r in history if "staleness/max" in r]),
+            "max_staleness": max([recorder.max_staleness_seen]
+                                 + [int(r["staleness/max"]) for r in history if "staleness/max" in r]),
             "groups_trained": self._counts["groups_trained"], "groups_dropped": int(bm["buffer/dropped"]),
             "groups_retracted": len(self.ledger.closed["retracted"]),
             "rollouts_rejected": self._counts["rollouts_rejected"], "requeues": int(fm["fleet/requeues"]),
@@ -719,24 +703,6 @@ class AsyncOrchestrator(abc.ABC):
             for path in self.checkpoint_dir.glob(pattern):
                 if int(path.stem.split("-")[1]) not in keep_steps:
                     path.unlink()
-
-    def _pool_rows(self, fm: dict[str, float]) -> list[dict[str, Any]]:
-        counters = self.buffer.counters()
-        rows = []
-        for name, pool in self.fleet.pools.items():
-            n = self.fleet.numerics[name]
-            reps = [r for r in self.fleet.replicas if r.pool.name == name]
-            c = counters.get(name)
-            rows.append({
-                "pool": name, "numerics": f"{pool.accelerator} {n.weight_format}/{n.kv_format}",
-                "alive": "quarantined" if self.supervisor.is_quarantined(name) else f"{sum(r.alive for r in reps)}/{len(reps)}",
-                "weight_version": ",".join("-" if r.weight_version is None else str(r.weight_version) for r in reps),
-                "requests": int(fm[f"pool/{name}/requests"]), "tokens": int(fm[f"pool/{name}/tokens"]),
-                "trained": c.groups_out if c else 0, "dropped": c.dropped if c else 0,
-                "max_staleness": c.max_staleness_out if c else -1,
-                "k3": fm.get(f"pool/{name}/mismatch_avg/k3"), "cost_usd": fm[f"pool/{name}/cost/usd"],
-            })
-        return rows
 
 
 def _truncate_metrics(path: pathlib.Path, step: int) -> list[dict[str, Any]]:

@@ -72,7 +72,7 @@ from hetrl.samplers.base import Generation, GenerationRequest, Sampler, SamplerH
 from hetrl.samplers.faults import ChaosConfig
 from hetrl.samplers.profiles import CATALOGUE, SamplerNumerics, get_profile
 
-__all__ = ["Engine", "Endpoint", "ServerOptions", "is_loopback_host", "PoolConfig", "RestartPolicy", "FleetConfig", "Replica", "JobResult", "Fleet",
+__all__ = ["Engine", "Endpoint", "ServerOptions", "is_loopback_host", "PoolConfig", "RestartPolicy", "FleetConfig", "Replica", "JobResult", "Fleet", "PoolFigures",
            "FleetError", "SamplerFactory"]
 
 Engine = Literal["embedded", "sglang", "sglang-jax"]
@@ -370,6 +370,24 @@ class Replica:
         return sum(len(j.requests) for j in self.assigned) + sum(len(j.requests) for j in self.in_flight)
 
 
+@dataclass(frozen=True)
+class PoolFigures:
+    """One pool's cumulative figures (:meth:`Fleet.pool_figures`): completed ``requests``,
+    generated ``tokens``, its ``replicas`` and how many are alive, each replica's loaded weight
+    version (None: none loaded yet), ``cost_usd``, whether it is ``quarantined``, and the
+    token-weighted run averages of its mismatch metrics (maxima for ``*_max``; empty before any
+    of its tokens was trained on)."""
+
+    requests: int
+    tokens: int
+    replicas: int
+    replicas_alive: int
+    weight_versions: tuple[int | None, ...]
+    cost_usd: float
+    quarantined: bool
+    mismatch_avg: Mapping[str, float]
+
+
 @dataclass
 class _PoolStats:
     requests: int = 0
@@ -614,20 +632,16 @@ class Fleet:
         with self._cond:
             self._stats[pool].trained_tokens += int(tokens)
 
-    def record_mismatch(self, metrics: Mapping[str, Any]) -> None:
-        """Fold one step's ``pool/<name>/mismatch/<metric>`` values (from
-        :func:`hetrl.core.correction.mismatch_metrics`; 0-d arrays of any namespace or floats)
-        into running per-pool aggregates: means weighted by the step's ``num_tokens`` of that
-        pool, maxima for ``*_max`` metrics. Other keys, and pools with no tokens, are ignored."""
-        per_pool: dict[str, dict[str, float]] = {}
-        for key, value in metrics.items():
-            parts = key.split("/")
-            if len(parts) >= 4 and parts[0] == "pool" and parts[2] == "mismatch" and parts[1] in self._stats:
-                per_pool.setdefault(parts[1], {})["/".join(parts[3:])] = float(value)
+    def record_mismatch(self, per_pool: Mapping[str, Mapping[str, float]]) -> None:
+        """Fold one step's per-pool mismatch metrics (``{pool: {metric: value}}``, as
+        :func:`hetrl.core.correction.pool_mismatch` gives them) into running per-pool aggregates:
+        means weighted by the step's ``num_tokens`` of that pool, maxima for ``*_max`` metrics.
+        Pools not in the fleet, and pools with no tokens, are ignored."""
         with self._cond:
-            for pool, values in per_pool.items():
+            for pool, step in per_pool.items():
+                values = {k: float(v) for k, v in step.items()}
                 n = values.pop("num_tokens", 0.0)
-                if n <= 0:
+                if pool not in self._stats or n <= 0:
                     continue
                 s = self._stats[pool]
                 s.mismatch_tokens += n
@@ -636,6 +650,20 @@ class Fleet:
                         s.mismatch_max[k] = max(s.mismatch_max.get(k, -math.inf), v)
                     else:
                         s.mismatch_sum[k] = s.mismatch_sum.get(k, 0.0) + v * n
+
+    def pool_figures(self) -> dict[str, "PoolFigures"]:
+        """Each pool's cumulative figures, typed (the per-pool part of :meth:`metrics`)."""
+        costs = {name: self.cost_usd(name) for name in self.pools}
+        with self._cond:
+            out = {}
+            for name, s in self._stats.items():
+                reps = [r for r in self.replicas if r.pool.name == name]
+                avg = {k: v / s.mismatch_tokens for k, v in s.mismatch_sum.items()} | dict(s.mismatch_max)
+                out[name] = PoolFigures(requests=s.requests, tokens=s.tokens, replicas=len(reps),
+                                        replicas_alive=sum(r.alive for r in reps),
+                                        weight_versions=tuple(r.weight_version for r in reps), cost_usd=costs[name],
+                                        quarantined=name in self.quarantined, mismatch_avg=avg)
+            return out
 
     def cost_usd(self, pool: str) -> float:
         """``price_per_hour x accelerators_per_replica x busy hours``, summed over the pool's replicas."""
