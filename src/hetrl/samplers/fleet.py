@@ -35,8 +35,8 @@ sampler (the orchestrator's replica supervisor does so per :class:`RestartPolicy
 pool shrinks.
 
 **Quarantine.** A pool whose rollouts are rejected too often (the policy is
-:class:`hetrl.core.admission.QuarantineConfig`, ``FleetConfig.quarantine``; the orchestrator
-decides) is taken out by :meth:`Fleet.quarantine`: its replicas stop serving like dead ones,
+:class:`hetrl.core.admission.QuarantineConfig`, ``FleetConfig.quarantine``; the orchestrator's
+replica supervisor decides, from the admission gate's record) is taken out by :meth:`Fleet.quarantine`: its replicas stop serving like dead ones,
 its assigned and in-flight jobs go back to the queue for the other pools (the results of a call
 already running are discarded), and the reason is logged and kept in :attr:`Fleet.quarantined`.
 
@@ -47,7 +47,8 @@ throughput, see :class:`FleetConfig`), ``replicas_alive``, ``restarts``; mismatc
 aggregated over training steps (:meth:`Fleet.record_mismatch`); cost ``cost/usd =
 price_per_hour x accelerators_per_replica x busy hours``, ``trained_tokens``
 (:meth:`Fleet.record_trained`) and ``cost/usd_per_trained_token``, ``quarantined`` (0 or 1);
-fleet totals under ``fleet/``.
+fleet totals under ``fleet/``. The same per-pool figures, typed: :meth:`Fleet.pool_figures`
+(:class:`PoolFigures`, what the orchestrator's step recorder reads).
 """
 
 from __future__ import annotations
