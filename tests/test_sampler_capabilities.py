@@ -153,7 +153,7 @@ def test_the_embedded_engine_aborts_a_running_call_between_decode_steps():
         return EmbeddedSampler(TINY_QWEN3, random_state_dict(TINY_QWEN3, seed=0, init_std=0.15), sampler_numerics("fp32"),
                                seed=3, max_batch=2, batch_buckets=(2,))
 
-    n = 512  # long enough that the abort lands while it decodes
+    n = 512  # long enough that the abort lands while it decodes (checked every 128 steps)
     reqs = [GenerationRequest(f"a/{i}", np.array([5, 6, 7 + i], np.int32), SamplingParams(temperature=1.0, top_k=20), n)
             for i in range(2)]
     full = engine().generate(reqs)

@@ -36,7 +36,7 @@ record, re-applied to the fleet on resume) and aborts; the fleet only routes and
 between generate calls; a call in flight, and the later turns of its groups, finish on the
 weights they started with. ``abort``: in addition, each publication aborts the calls running on
 every replica whose sampler can abort (:class:`hetrl.samplers.base.Abortable`: the embedded
-engine, locally or in a Ray actor, stops before its next decode step), and a group whose
+engine, locally or in a Ray actor, stops within a quarter of its decode steps), and a group whose
 generation overlaps a newer publication is retracted at the next turn boundary (after its first
 turn, before each later turn, and when its last turn returns; a turn cut by an abort is always
 overtaken): nothing of it is buffered, and its prompt is submitted again as a new group, so it

@@ -133,9 +133,9 @@ def reseed(sampler: Sampler, seed: int) -> None:
 @runtime_checkable
 class Abortable(Protocol):
     """The optional capability of cancelling generation: ``abort()`` makes every ``generate``
-    call running when it is called return as soon as it can (the embedded engine: before its next
-    decode step), each request not yet finished returned with ``finish_reason="abort"`` and the
-    tokens it sampled so far (at least one; all with their log-probs, support and version, as for
+    call running when it is called return as soon as it can (the embedded engine: at its next
+    abort check, a few decode steps later), each request not yet finished returned with
+    ``finish_reason="abort"`` and the tokens it sampled so far (at least one; all with their log-probs, support and version, as for
     a finished request). Requests already finished keep their reason; calls that start after
     ``abort()`` are not affected, and with no call running it does nothing. Thread-safe: it is
     called from another thread than the one inside ``generate``. ``supports_abort`` says whether

@@ -26,8 +26,8 @@ requests; each chunk runs as ONE jitted function:
    ``n`` (:func:`hetrl.samplers.sampling.sample`, its Gumbel noise drawn for every step before
    the loop); they exit early once every row is done. A row is done after a stop token
    (``finish_reason="stop"``; the stop token is part of the response) or after its own
-   ``max_new_tokens`` (``"length"``). Before every step the loop asks the host whether the call
-   was aborted (:meth:`EmbeddedSampler.abort`, one ``io_callback`` per step); if so it exits,
+   ``max_new_tokens`` (``"length"``). Every ``N // ABORT_CHECKS`` steps the loop asks the host
+   whether the call was aborted (:meth:`EmbeddedSampler.abort`, an ``io_callback``); if so it exits,
    and the rows not yet done end with ``finish_reason="abort"`` and the tokens sampled so far
    (the :class:`hetrl.samplers.base.Abortable` capability). Attention reads every slot of the cache,
    so the cache holds ``P + N // 2`` slots for steps ``n <= N // 2`` and is grown (one copy) to
@@ -73,6 +73,11 @@ QUANTIZED_WEIGHT = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.w
 
 DEFAULT_LENGTH_BUCKETS: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 DEFAULT_BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+
+ABORT_CHECKS = 4
+"""How often a call of ``N`` new tokens checks its abort flag: every ``max(1, N // ABORT_CHECKS)``
+decode steps. Each check is a host round trip (``io_callback``): checking every step doubled the
+decode time of the tiny model on a loaded 2-core CPU, four checks per call were within noise."""
 
 _DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 
@@ -169,7 +174,8 @@ def _generate_chunk(leaves, prompt_ids, prompt_lens, temperature, top_k, top_p, 
     leaves: the model's parameter arrays; prompt_ids [B, P] int32 left-padded; prompt_lens,
     max_new [B] int32 (1 <= max_new <= n_steps); temperature, top_p [B] f32; top_k [B] int32;
     stop_ids [B, NS] int32 padded with -1; key: PRNG key; call: int32 id of the call (the loop
-    stops before a step once :data:`_ABORTS` says it was aborted). Returns a dict of tokens,
+    stops at its next check, every ``N // ABORT_CHECKS`` steps, once :data:`_ABORTS` says the call
+    was aborted). Returns a dict of tokens,
     logprobs, count [B, N], support_ids, support_logprobs [B, N, W], cap_bound [B, N], lengths [B]
     and done [B] (False: the row was cut by an abort).
     """
@@ -205,7 +211,9 @@ def _generate_chunk(leaves, prompt_ids, prompt_lens, temperature, top_k, top_p, 
         mask = key_mask[:, : state.cache.max_len]
 
         def cond(s: _DecodeState):
-            aborted = io_callback(_ABORTS.aborted, jax.ShapeDtypeStruct((), jnp.bool_), call)
+            aborted = jax.lax.cond(s.step % max(1, n_steps // ABORT_CHECKS) == 0,
+                                   lambda: io_callback(_ABORTS.aborted, jax.ShapeDtypeStruct((), jnp.bool_), call),
+                                   lambda: jnp.bool_(False))
             return (s.step <= last_step) & (s.step < n_steps) & ~jnp.all(s.done) & ~aborted
 
         def body(s: _DecodeState):
@@ -320,9 +328,9 @@ class EmbeddedSampler:
     """It has the :class:`hetrl.samplers.base.Abortable` capability."""
 
     def abort(self) -> None:
-        """Cut every ``generate`` call running now before its next decode step: its unfinished
-        requests return with ``finish_reason="abort"`` and their tokens so far; later calls are
-        not affected."""
+        """Cut every ``generate`` call running now at its next abort check (every ``N //
+        ABORT_CHECKS`` decode steps): its unfinished requests return with
+        ``finish_reason="abort"`` and their tokens so far; later calls are not affected."""
         with self._lock:
             _ABORTS.abort(self._calls)
 
