@@ -76,8 +76,8 @@ DEFAULT_BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 
 ABORT_CHECKS = 4
 """How often a call of ``N`` new tokens checks its abort flag: every ``max(1, N // ABORT_CHECKS)``
-decode steps. Each check is a host round trip (``io_callback``): checking every step doubled the
-decode time of the tiny model on a loaded 2-core CPU, four checks per call were within noise."""
+decode steps. Each check is a host round trip (``io_callback``), costly next to a small model's
+decode step, so a call checks a few times rather than at every step."""
 
 _DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 
