@@ -11,7 +11,6 @@
   float32 recomputation, and weight + activation above weight-only (margins in the test).
 """
 
-import json
 import pathlib
 
 import jax
@@ -178,31 +177,16 @@ def test_linear_reads_the_quantized_activation(fmt):
 WARMSTART = next((pathlib.Path(__file__).parents[1] / "assets" / "models").glob("warmstart-*"))
 
 
-def warmstart_prompts(n):
-    """The first ``n`` held-out task prompts of the warm start's suite, chat-formatted."""
-    from tokenizers import Tokenizer
-
-    from hetrl.envs.base import ChatFormat
-    from hetrl.envs.coding import CodingEnv, CodingEnvConfig
-    from hetrl.envs.tasks_synthetic import synthetic_suite
-    from hetrl.warmstart.config import WarmstartConfig
-
-    c = WarmstartConfig.model_validate(json.loads((WARMSTART / "warmstart.json").read_text())["config"])
-    chat = ChatFormat.from_tokenizer(Tokenizer.from_file(str(WARMSTART / "tokenizer.json")))
-    return [np.asarray(chat.encode(CodingEnv(CodingEnvConfig()).reset(t).messages, add_generation_prompt=True), np.int32)
-            for t in synthetic_suite(c.suite).heldout[:n]]
-
-
 @pytest.mark.slow
 def test_k3_ordering_of_formats_on_the_warm_start():
     """b200 pools (bf16 compute and KV) on 16 held-out prompts x up to 32 tokens, seed 0, against
     the float32 recomputation. Measured k3 (2026-12-04): bf16 5.4e-6; FP8 weight-only 1.9e-5,
     W8A8 1.9e-4; NVFP4 weight-only 5.7e-4, W4A4 2.2e-3 (ratios W8A8 / bf16 35x, W4A4 / W8A8
     11.6x, W8A8 / W8 10x, W4A4 / W4 3.8x). Asserted with about a third of each measured ratio."""
-    from hetrl.samplers.probe import probe_mismatch
+    from hetrl.samplers.probe import probe_mismatch, warmstart_prompts
     from hetrl.samplers.profiles import sampler_numerics
 
-    prompts = warmstart_prompts(16)
+    prompts = warmstart_prompts(WARMSTART, 16)
     k3 = {name: probe_mismatch(WARMSTART, sampler_numerics("b200", w, "bf16", a), prompts)["k3"]
           for name, w, a in [("bf16", "bf16", None), ("w8", "fp8_e4m3", "none"), ("w8a8", "fp8_e4m3", None),
                              ("w4", "nvfp4", "none"), ("w4a4", "nvfp4", None)]}

@@ -12,11 +12,13 @@ quantization, one uncached pass over prompt + response), and reduces per token `
 Sampling is untruncated at temperature 1, so both log-probabilities are over the full vocabulary
 (no support replay) and ``k3`` is the project's ``mismatch/k3`` for these rollouts. The same
 ``seed`` draws the same Gumbel noise in every pool (common random numbers), so pools differ in the
-tokens they sample only where their distributions differ.
+tokens they sample only where their distributions differ. :func:`warmstart_prompts` gives fixed
+prompts for a warm-start checkpoint: its suite's held-out tasks as the coding environment shows them.
 """
 
 from __future__ import annotations
 
+import json
 import pathlib
 from typing import Sequence
 
@@ -29,7 +31,7 @@ from hetrl.samplers.base import GenerationRequest
 from hetrl.samplers.embedded import EmbeddedSampler
 from hetrl.samplers.profiles import SamplerNumerics
 
-__all__ = ["probe_mismatch"]
+__all__ = ["probe_mismatch", "warmstart_prompts"]
 
 
 def probe_mismatch(directory: str | pathlib.Path, numerics: SamplerNumerics, prompts: Sequence[np.ndarray], *,
@@ -59,3 +61,22 @@ def probe_mismatch(directory: str | pathlib.Path, numerics: SamplerNumerics, pro
     d = np.concatenate(d)
     return {"abs_dlogp_mean": float(np.mean(np.abs(d))), "abs_dlogp_max": float(np.max(np.abs(d))),
             "k3": float(np.mean(np.expm1(d) - d)), "tokens": int(d.size)}
+
+
+def warmstart_prompts(directory: str | pathlib.Path, n: int) -> list[np.ndarray]:
+    """The first ``n`` held-out tasks of the suite a warm-start checkpoint (``hetrl warmstart``,
+    with its ``warmstart.json``) was trained on, as chat prompts (int32 token ids) with the
+    generation prompt, as the coding environment shows them."""
+    from tokenizers import Tokenizer
+
+    from hetrl.envs.base import ChatFormat
+    from hetrl.envs.coding import CodingEnv, CodingEnvConfig
+    from hetrl.envs.tasks_synthetic import synthetic_suite
+    from hetrl.warmstart.config import WarmstartConfig
+    from hetrl.warmstart.train import RESULT_FILE
+
+    directory = pathlib.Path(directory)
+    c = WarmstartConfig.model_validate(json.loads((directory / RESULT_FILE).read_text())["config"])
+    chat = ChatFormat.from_tokenizer(Tokenizer.from_file(str(directory / "tokenizer.json")))
+    return [np.asarray(chat.encode(CodingEnv(CodingEnvConfig()).reset(t).messages, add_generation_prompt=True), np.int32)
+            for t in synthetic_suite(c.suite).heldout[:n]]
