@@ -102,6 +102,8 @@ def test_pool_activation_precision_defaults_to_what_engines_serve():
     (dict(name="a", accelerator="v100"), "accelerator", "unknown accelerator kind 'v100'"),
     (dict(name="a b", accelerator="h100"), "name", "must match"),
     (dict(name="a", accelerator="h100", engine="sglang"), "", "one endpoint per replica"),
+    (dict(name="a", accelerator="h100", engine="sglang", endpoints=("https://x",), activation_precision="fp8_e4m3"),
+     "", "activation_precision sets how the embedded engine computes"),
     (dict(name="a", accelerator="h100", engine="sglang-jax", endpoints=("https://x",)), "", "serves TPUs"),
     (dict(name="a", accelerator="tpu-v6e", engine="sglang", endpoints=("https://x",)), "", "use 'sglang-jax'"),
     (dict(name="a", accelerator="h100", endpoints=("https://x",)), "", "embedded pools take no endpoints"),

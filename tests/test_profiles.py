@@ -91,6 +91,7 @@ def test_sampler_info_throughput_and_cost():
     info = n.sampler_info()
     assert (info.pool, info.accelerator, info.weight_precision, info.kv_precision, info.engine) == (
         "b200-nvfp4-bf16", "b200", "nvfp4", "bf16", "embedded")
+    assert info.activation_precision == "nvfp4" and sampler_numerics("b200").sampler_info().activation_precision == "none"
     assert n.sampler_info("pool-a", engine="sglang").pool == "pool-a"
     assert n.relative_throughput() > sampler_numerics("b200").relative_throughput() > sampler_numerics("h100").relative_throughput()
     assert n.cost_per_hour() == CATALOGUE["b200"].price_per_hour_usd

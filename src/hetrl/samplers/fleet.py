@@ -241,6 +241,9 @@ class PoolConfig(BaseModel):
                                           or self.server != ServerOptions()):
             raise ValueError(f"pool {self.name!r}: embedded pools take no endpoints, api_key_env, "
                              "allow_insecure_http or server options")
+        if self.engine != "embedded" and self.activation_precision is not None:
+            raise ValueError(f"pool {self.name!r}: activation_precision sets how the embedded engine computes; a "
+                             f"{self.engine!r} server quantizes activations as its checkpoint and launch flags say")
         if self.engine != "embedded" and len(self.endpoints) != self.replicas:
             raise ValueError(f"pool {self.name!r}: engine {self.engine!r} needs one endpoint per replica "
                              f"({self.replicas} replicas, {len(self.endpoints)} endpoints)")

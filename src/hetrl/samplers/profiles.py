@@ -257,7 +257,8 @@ class SamplerNumerics(BaseModel):
     def sampler_info(self, pool: str | None = None, engine: str = "embedded", engine_version: str = "") -> SamplerInfo:
         """The :class:`SamplerInfo` rollouts of this pool carry."""
         return SamplerInfo(pool=pool or self.name, accelerator=self.kind, weight_precision=self.weight_format,
-                           kv_precision=self.kv_format, engine=engine, engine_version=engine_version)
+                           kv_precision=self.kv_format, activation_precision=self.activation_format, engine=engine,
+                           engine_version=engine_version)
 
     def model_numerics(self):
         """The JAX model's ``Numerics`` for this pool: compute / accumulation / softmax dtypes of
