@@ -18,12 +18,14 @@ prompts for a warm-start checkpoint: its suite's held-out tasks as the coding en
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 from typing import Sequence
 
 import jax
 import numpy as np
+from flax import nnx
 
 from hetrl.core.schema import SamplingParams
 from hetrl.models.qwen_jax import load_hf
@@ -51,8 +53,8 @@ def probe_mismatch(directory: str | pathlib.Path, numerics: SamplerNumerics, pro
     ids = np.zeros((len(seqs), width), np.int32)  # right padding: causal attention never reads it
     for i, s in enumerate(seqs):
         ids[i, : len(s)] = s
-    model = load_hf(directory)
-    logp = np.asarray(jax.nn.log_softmax(jax.jit(lambda x: model(x)[0])(ids), axis=-1))
+    graphdef, state = nnx.split(load_hf(directory))
+    logp = np.asarray(_float32_logprobs(graphdef, state, ids))
     d = []
     for i, (r, g) in enumerate(zip(requests, gens)):
         n, m = len(r.prompt_ids), len(g.token_ids)
@@ -61,6 +63,13 @@ def probe_mismatch(directory: str | pathlib.Path, numerics: SamplerNumerics, pro
     d = np.concatenate(d)
     return {"abs_dlogp_mean": float(np.mean(np.abs(d))), "abs_dlogp_max": float(np.max(np.abs(d))),
             "k3": float(np.mean(np.expm1(d) - d)), "tokens": int(d.size)}
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _float32_logprobs(graphdef, state, ids):
+    """log-softmax of the exact float32 forward's logits of ``ids [B, L]`` (one compile per
+    model structure and shape, shared by every call)."""
+    return jax.nn.log_softmax(nnx.merge(graphdef, state)(ids)[0], axis=-1)
 
 
 def warmstart_prompts(directory: str | pathlib.Path, n: int) -> list[np.ndarray]:
