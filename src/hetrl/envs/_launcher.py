@@ -38,7 +38,7 @@ AT_FDCWD, AT_RECURSIVE = -100, 0x8000
 MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID = 0x1, 0x2
 SYS_MOUNT_SETATTR = 442  # same number on every architecture that has it (Linux >= 5.12)
 PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP, PR_SET_SECUREBITS, PR_SET_SECCOMP = 38, 24, 28, 22
-SECCOMP_MODE_FILTER, MNT_DETACH = 2, 2
+SECCOMP_MODE_FILTER, MNT_DETACH, PTRACE_DETACH = 2, 2, 17
 # SECBIT_NOROOT | SECBIT_NOROOT_LOCKED | SECBIT_NO_SETUID_FIXUP_LOCKED | SECBIT_KEEP_CAPS_LOCKED
 SECUREBITS_LOCKED_NOROOT = 0x1 | 0x2 | 0x8 | 0x20
 
@@ -207,6 +207,10 @@ def _run(cfg, status_fd):
             wpid, wstatus, usage = os.wait4(-1, 0)
         except ChildProcessError:
             break
+        if os.WIFSTOPPED(wstatus):  # the program made us its tracer (PTRACE_TRACEME): let it go
+            _libc.ptrace(ctypes.c_long(PTRACE_DETACH), ctypes.c_long(wpid), None,
+                         ctypes.c_long(os.WSTOPSIG(wstatus)))
+            continue
         if wpid == pid:
             status = {"cpu_s": usage.ru_utime + usage.ru_stime, "maxrss_kb": usage.ru_maxrss}
             if os.WIFSIGNALED(wstatus):
