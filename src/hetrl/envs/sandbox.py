@@ -17,30 +17,63 @@ deleted afterwards, and returns a :class:`SandboxResult`. What it guarantees:
 
 The isolation proper is the strongest the machine allows, chosen once per process by probing (a
 trial run that *checks* each property from inside) and reported, never assumed, by
-:attr:`Sandbox.isolation`:
+:attr:`Sandbox.isolation`. Three mechanisms apply on top of any mode where the machine has them:
 
-1. as root with a usable ``unshare`` (util-linux): new network, PID, mount, IPC and UTS
-   namespaces; a dedicated uid per concurrent run (no groups, no capabilities, ``no_new_privs``);
-   every mount read-only except the run directory, which is a size-capped tmpfs (``disk_mb``);
-   a private ``/proc``; the ``hetrl`` package directory (which holds hidden tests) covered by an
-   empty tmpfs. Leaving PID 1 of the namespace kills every process of the run.
-2. not root but unprivileged user namespaces allowed (``unshare -Urn``): the same namespaces
-   inside a user namespace; the program keeps the caller's uid outside it, and has no
-   capabilities inside (bounding set emptied, securebits locked); the process limit counts the
-   run's user namespace only (Linux >= 5.14).
+* **minimal view** (``backend="bubblewrap"``, preferred; Debian's ``bubblewrap``): the program's
+  root is an empty tmpfs holding only ``/usr`` and the top-level library directories (read-only),
+  each interpreter's installation prefix with its ``site-packages`` covered by an empty tmpfs,
+  a private ``/proc`` and minimal ``/dev``, and size-capped private tmpfs at ``/tmp``,
+  ``/dev/shm`` and the run directory. Nothing of the project checkout, its ``.git``, any
+  virtualenv, home directories, other runs, the host ``/tmp`` or host sockets exists there. The
+  launcher runs as PID 1 of the run's namespaces (``--as-pid-1``), copies the staged files in
+  and unmounts its own and the staging binds before the program starts.
+* **tree limits** (:mod:`hetrl.envs._cgroup`): one cgroup per run below the caller's own, cgroup
+  v2 or v1 (``memory`` and ``pids`` hierarchies): the memory of the whole process tree
+  (anonymous, ``memfd`` and tmpfs pages, page cache; no swap) is capped at ``memory_mb`` and its
+  tasks (processes and threads) at ``max_processes``; a program killed by the cgroup's OOM killer
+  is reported as ``killed_reason="memory"``. Where no cgroup is writable (not root and nothing
+  delegated) memory is bounded per process only: ``RLIMIT_AS`` does not count memfd or tmpfs
+  pages, so a tree may hold up to ``max_processes`` x (``memory_mb`` + ``max_open_files`` x
+  ``max_file_mb``), and the run directory's tmpfs at ``disk_mb``.
+* **seccomp** (:mod:`hetrl.envs._seccomp`, libseccomp through ``pyseccomp``): ``ptrace``,
+  ``mount`` and the new mount API, ``unshare``/``setns``/``clone`` with namespace flags,
+  ``keyctl``/``add_key``/``request_key``, ``bpf``, ``perf_event_open``, ``io_uring``,
+  ``userfaultfd`` and machine administration calls fail with ``EPERM``; installed by the launcher
+  after ``no_new_privs``, immediately before the exec. Without libseccomp: not active.
+
+The modes (the namespaces and the user the program runs as):
+
+1. as root with ``bwrap`` or a usable ``unshare`` (util-linux): new network (loopback only), PID,
+   mount, IPC and UTS namespaces; a dedicated uid per concurrent run (no groups, no
+   capabilities, ``no_new_privs``). With bubblewrap the minimal view above; with ``unshare``
+   every mount read-only except the run directory, which is a size-capped tmpfs (``disk_mb``),
+   a private ``/proc``, and the ``hetrl`` package directory (which holds hidden tests) covered by
+   an empty tmpfs; world-readable host files and host UNIX sockets stay reachable. Leaving PID 1
+   of the namespace kills every process of the run.
+2. not root but unprivileged user namespaces allowed (``bwrap --unshare-user`` or
+   ``unshare -Urn``): the same namespaces inside a user namespace; the program keeps the caller's
+   uid outside it, and has no capabilities inside (bounding set emptied, securebits locked); the
+   process limit counts the run's user namespace only (Linux >= 5.14).
 3. as root without namespaces: the dedicated uid and the limits only. The network is NOT
    isolated, world-writable directories (``/tmp``, ``/dev/shm``) are writable, nothing is hidden;
-   clean-up by killing every process of the uid.
+   clean-up by killing every process of the uid (and of the run's cgroup).
 4. neither: limits and scrubbed environment; no process limit (it would count the caller's own
    processes); clean-up by process-group kill, which a program calling ``setsid`` escapes. The
    program runs as the caller. Pass ``require=`` to refuse to run in a weaker mode than needed.
 
-On the development VM (root, Linux 6.18, util-linux 2.38, no bubblewrap) mode 1 is active: every
-mechanism of mode 1 above, verified by the probe and attacked by ``tests/test_sandbox.py``. The
-same tests pass in modes 2, 3 and 4 (run as an unprivileged user, and with ``unshare`` off the
-``PATH``), skipping the cases a mode cannot protect and checking that the report says so. In an
-unprivileged container (where seccomp usually forbids ``unshare``) expect mode 3 or 4. Reading
-world-readable host files stays possible in every mode.
+On the development VM and in CI (root, Debian 12, Linux 6.18, bubblewrap 0.8, cgroup v1
+``memory`` and ``pids``, libseccomp 2.5.4) mode 1 with bubblewrap, tree limits (v1) and seccomp is
+active: every mechanism above, verified by the probe and attacked by ``tests/test_sandbox.py``.
+``Sandbox(backend="unshare", cgroup=False, seccomp=False)`` is the isolation before bubblewrap
+(kept for comparison). The tests also pass without bubblewrap (mode 1 with ``unshare``), skipping
+the cases a configuration cannot protect and checking that the report says so. In an
+unprivileged container (where seccomp usually forbids ``unshare``) expect mode 3 or 4.
+
+Residual risk with every mechanism active: the kernel (a bug reachable through the allowed
+system calls), the machine's CPU shared with other runs (bounded per run by the CPU and wall
+limits only), and reading the standard library and ``/usr``. Nothing of the sandbox layer reads
+host files into a result: ``stdout``/``stderr`` are the program's own output, and a
+:class:`SandboxError` names paths and errors, never file contents.
 
 Thread-safe: any number of threads may call :meth:`Sandbox.run` on one or many sandboxes.
 """
@@ -367,8 +400,6 @@ with open("/proc/self/status") as fh:
     status = dict(l.split(":", 1) for l in fh if ":" in l)
 r["cap_eff"] = int(status["CapEff"].split()[0], 16)
 r["seccomp_mode"] = int(status.get("Seccomp", "0").split()[0])
-libc = ctypes.CDLL(None, use_errno=True)
-r["unshare_user"] = libc.unshare(0x10000000) == 0 or ctypes.get_errno()
 r["proc_pids"] = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
 r["hidden_visible"] = [p for p in hide if os.path.isdir(p) and os.listdir(p)]
 r["secrets_visible"] = [p for p in ask["secrets"] if os.path.lexists(p)]
@@ -382,6 +413,8 @@ for d in dirs:
         r["write_outside"].append(d)
     except OSError:
         pass
+libc = ctypes.CDLL(None, use_errno=True)  # last: it may succeed (no seccomp) and change the view
+r["unshare_user"] = libc.unshare(0x10000000) == 0 or ctypes.get_errno()
 print(json.dumps(r))
 """
 
