@@ -124,6 +124,20 @@ def test_weaker_mode_is_reported_as_weaker():
     assert "network: NOT isolated" in iso.describe() and "view: the host filesystem" in iso.describe()
 
 
+@needs_bwrap
+@pytest.mark.skipif(os.geteuid() != 0, reason="as non-root this is the plan the sandbox itself chooses")
+def test_bubblewrap_in_a_user_namespace_as_unprivileged_machines_run_it():
+    """Mode 2 (what a non-root machine gets), exercised here as root: no uid of its own, the
+    launcher works inside a user namespace, the view is still minimal and read-only."""
+    plan = next(p for p in sb._plans("bubblewrap") if p.mode == 2)
+    pinned, iso = sb._verify(plan, sb.DEFAULT_HIDDEN)
+    assert iso.user_namespace and not iso.uid and iso.minimal_view and iso.filesystem and iso.no_capabilities
+    assert iso.seccomp == HAS_SECCOMP
+    res = sb._Runner(pinned, LIMITS, sb.DEFAULT_HIDDEN).run(
+        "import os\nprint(open('d/f.txt').read())\nopen('/x', 'w')", "", {"d/f.txt": "staged"})
+    assert res.stdout == "staged\n" and "Read-only file system" in res.stderr
+
+
 @needs_ns
 def test_the_previous_isolation_stays_selectable():
     old = Sandbox(LIMITS, backend="unshare", cgroup=False, seccomp=False).isolation

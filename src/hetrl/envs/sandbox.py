@@ -679,7 +679,7 @@ class _Runner:
                 "--perms", "1777", "--size", disk, "--tmpfs", "/dev/shm",
                 "--perms", "0700", "--size", disk, "--tmpfs", workdir,
                 "--ro-bind", workdir, _BWRAP_STAGED, "--ro-bind", str(LAUNCHER), _BWRAP_LAUNCHER,
-                "--chdir", "/", python, *PYTHON_FLAGS, _BWRAP_LAUNCHER, json.dumps(cfg)]
+                "--remount-ro", "/", "--chdir", "/", python, *PYTHON_FLAGS, _BWRAP_LAUNCHER, json.dumps(cfg)]
 
     def _mount_cfg(self, workdir: str) -> dict | None:
         if not self._plan.mount:
