@@ -410,17 +410,19 @@ def test_project_venv_home_and_host_tmp_are_invisible(box):
 def test_other_runs_are_invisible(box):
     """A concurrent run's files (here: its staged copy on the host) cannot be read."""
     code = "import os, sys, time\nprint(os.getcwd(), flush=True)\ntime.sleep(1.5)"
+    secret = "other run's secret " + uuid.uuid4().hex
+    tmp = pathlib.Path(tempfile.gettempdir())
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        first = pool.submit(box.run, code, "", {"answer.txt": "other run's secret"})
-        for _ in range(100):  # wait until the first run's staged directory exists
-            staged = [d for d in os.listdir(tempfile.gettempdir()) if d.startswith("hetrl-sbx-")]
-            if staged:
+        first = pool.submit(box.run, code, "", {"answer.txt": secret})
+        paths = []
+        for _ in range(200):  # wait until the first run's staged copy exists on the host
+            paths = [str(p) for p in tmp.glob("hetrl-sbx-*/answer.txt") if p.read_text() == secret]
+            if paths:
                 break
-            select.select([], [], [], 0.02)
-        paths = [os.path.join(tempfile.gettempdir(), d, "answer.txt") for d in staged]
+            select.select([], [], [], 0.01)
         out = run_json(box, _READ_SECRETS, stdin=json.dumps(paths))
         first.result()
-    assert paths and all(v == errno.ENOENT for v in out.values()), out
+    assert len(paths) == 1 and out == {paths[0]: errno.ENOENT}, out
 
 
 def test_host_unix_sockets_are_unreachable(box):
@@ -493,6 +495,27 @@ def test_memfd_and_tmpfs_pages_count_against_the_memory_limit(kind):
     held = [int(line) for line in res.stdout.split() if line.isdigit()]
     assert max(held, default=0) <= 96, (held[-1:], res.killed_reason, res.stderr[-300:])
     assert res.killed_reason == "memory" or "error" in res.stdout
+
+
+@needs_cgroups
+def test_a_failing_mechanism_costs_only_itself(monkeypatch, tmp_path):
+    """Where joining the run's cgroup fails (here: its descriptor writes to /dev/full), the launcher
+    refuses to run the program and the probe settles for the plan without tree limits."""
+    real = sb._cgroup.Manager.group
+
+    def broken(self, memory_bytes, max_pids):
+        group = real(self, memory_bytes, max_pids)
+        group.close_fds()
+        group.fds = (os.open("/dev/full", os.O_WRONLY | os.O_CLOEXEC),)
+        return group
+
+    monkeypatch.setattr(sb._cgroup.Manager, "group", broken)
+    box = Sandbox(LIMITS, hidden=[str(tmp_path)])  # a key of its own in the probe cache
+    assert box.isolation.tree_limits is None and "tree limits: NONE" in box.isolation.describe()
+    assert box.isolation.seccomp == HAS_SECCOMP and box.isolation.mode == MODE
+    assert box.run("print('ran')").stdout == "ran\n"
+    with pytest.raises(SandboxError, match="tree_limits"):
+        Sandbox(LIMITS, hidden=[str(tmp_path)], require=["tree_limits"])
 
 
 @needs_cgroups

@@ -545,6 +545,17 @@ def _verify(plan: _Plan, hidden: tuple[str, ...]) -> tuple[_Plan, Isolation]:
     return dataclasses.replace(plan, pythons=(report["python"],)), iso
 
 
+def _degraded(plan: _Plan) -> list[_Plan]:
+    """``plan``, then (should its trial run fail) the same without tree limits, then without the
+    seccomp filter as well: a mechanism that fails here costs only itself."""
+    out = [plan]
+    if plan.cgroup:
+        out.append(dataclasses.replace(plan, cgroup=False))
+    if plan.seccomp:
+        out.append(dataclasses.replace(out[-1], seccomp=False))
+    return out
+
+
 def _probe(hidden: tuple[str, ...], backend: str = "auto", cgroup: bool = True,
            seccomp: bool = True) -> tuple[_Plan, Isolation]:
     """The strongest plan whose trial run works, and what it verified. Cached per process."""
@@ -552,12 +563,12 @@ def _probe(hidden: tuple[str, ...], backend: str = "auto", cgroup: bool = True,
     with _PROBE_LOCK:
         if key not in _PROBES:
             failures = []
-            for plan in _plans(backend, cgroup, seccomp):
+            for plan in (d for p in _plans(backend, cgroup, seccomp) for d in _degraded(p)):
                 try:
                     _PROBES[key] = _verify(plan, hidden)
                     break
                 except SandboxError as exc:
-                    failures.append(str(exc))
+                    failures.append(f"{exc} (tree limits {plan.cgroup}, seccomp {plan.seccomp})")
             else:
                 raise SandboxError(f"no sandbox mode works here (backend {backend}): " + " | ".join(failures))
             if failures:
