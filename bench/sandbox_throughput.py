@@ -1,4 +1,5 @@
-"""Graded episodes per second of the code sandbox, before (unshare namespaces) and after (bubblewrap's minimal view, cgroup tree limits, seccomp), with where the time goes.
+"""Graded episodes per second of the code sandbox, before (unshare namespaces) and after
+(bubblewrap's minimal view, cgroup tree limits, seccomp), with where the time goes.
 
 Grades the reference answer of every real-code function task and repository task
 (``hetrl.envs.tasks_realcode``) with :class:`hetrl.envs.coding.CodingEnv` under each isolation

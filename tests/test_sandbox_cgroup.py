@@ -101,7 +101,7 @@ def test_v2_limits_and_oom_count(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "mkdir", mkdir_with_control_files)
     group = _cgroup.Manager(Layout(2, (str(base),))).group(96 << 20, 12)
-    run = parent / "run-0"
+    run = parent / "run-7-0"
     assert (run / "memory.max").read_text() == str(96 << 20)
     assert (run / "memory.swap.max").read_text() == "0" and (run / "pids.max").read_text() == "12"
     assert group.oom_kills() == 0

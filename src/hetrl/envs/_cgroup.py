@@ -1,9 +1,10 @@
 """Memory and process limits for a sandboxed run's whole process tree, through Linux cgroups.
 
 One cgroup per run, created below the cgroup the caller itself is in (so whatever limits the
-caller has keep applying): ``<own cgroup>/hetrl-sandbox-<pid>/run-<n>``. Its memory limit counts
-everything the tree's processes are charged for (anonymous memory, ``memfd`` and tmpfs pages, page
-cache, kernel memory) and swap is not allowed; its pids limit counts processes and threads. The
+caller has keep applying): ``<own cgroup>/hetrl-sandbox-<pid>/run-<pid>-<n>``. Its memory limit
+counts everything the tree's processes are charged for (anonymous memory, ``memfd`` and tmpfs
+pages, page cache, kernel memory) and swap is not allowed; its pids limit counts processes and
+threads. The
 launcher's child joins the run's cgroup through a ``cgroup.procs`` file descriptor opened here,
 before it drops its privileges; everything it starts inherits the cgroup.
 
@@ -213,7 +214,8 @@ class Manager:
         """A fresh group with these limits (memory without swap; pids counts threads too)."""
         with self._lock:
             n = next(self._ids)
-        dirs = tuple(os.path.join(p, f"run-{n}") for p in self.parents)
+        # the pid too: a forked child shares the parents and the counter's state
+        dirs = tuple(os.path.join(p, f"run-{os.getpid()}-{n}") for p in self.parents)
         for d in dirs:
             os.mkdir(d, 0o700)
         try:
