@@ -424,8 +424,8 @@ def _prefixes(pythons: Iterable[str]) -> list[str]:
     ``sys.base_prefix``, never a virtualenv)."""
     out = []
     for python in pythons:
-        prefix = os.path.realpath(sys.base_prefix) if python == os.path.realpath(sys.executable) \
-            and not sys.base_prefix.startswith(sys.prefix + os.sep) else os.path.dirname(os.path.dirname(python))
+        ours = python == os.path.realpath(sys.executable)
+        prefix = os.path.realpath(sys.base_prefix) if ours else os.path.dirname(os.path.dirname(python))
         if prefix not in out:
             out.append(prefix)
     return out
