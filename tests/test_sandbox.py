@@ -381,7 +381,7 @@ print(json.dumps(out))
 def _secret_paths(marker: str) -> list[str]:
     """What an answer would read to forge a reward or learn about the host: the checkout, its .git,
     the task definitions, the virtualenvs, home directories, the host's /tmp."""
-    paths = [str(REPO / ".git" / "HEAD"), str(REPO / "pyproject.toml"),
+    paths = [str(REPO / ".git"), str(REPO / ".git" / "HEAD"), str(REPO / "pyproject.toml"),
              str(REPO / "src" / "hetrl" / "envs" / "tasks_synthetic.py"), str(REPO / "tests"),
              os.path.join(sys.prefix, "pyvenv.cfg"), "/work/main/.venv/pyvenv.cfg", "/work/main/.git/HEAD",
              "/home", os.path.expanduser("~/.bashrc"), marker, os.path.dirname(marker)]
