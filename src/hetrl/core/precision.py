@@ -59,7 +59,7 @@ Edge cases, as implemented:
   to ``top``, so requantizing sees ``amax' = fl(top * s)``, and ``fl(fl(top * s) / top) == s`` for
   every ``s = fl(amax / top)`` (checked over all float32 mantissas for 127, 240, 448 and 6*448):
   the scale is a fixed point and the codes then reproduce. This holds for bf16, fp16, fp32 and
-  mxfp4 (power-of-two scales, every step exact) always; for fp8_e4m3(_block/fnuz) and int8 when
+  mxfp4 (power-of-two scales, every step exact) always; for fp8_e4m3(_block/_g128/fnuz) and int8 when
   every nonzero group amax is a normal float32 (>= 2^-126); for nvfp4 when the tensor amax is
   >= 2^-114 (a normal tensor scale) and every nonzero E4M3 block scale is normal (>= 2^-6, i.e.
   block amax >= amax_tensor / 28672). The last condition is the format's own: a subnormal block
@@ -132,7 +132,8 @@ class QuantizedTensor:
     * ``scale``: float32, one per block (size 1 on the in-block axes, so it broadcasts against
       ``values``); each value is exactly representable in the format's scale type (E4M3 for
       nvfp4, E8M0 for mxfp4). ``None`` for plain casts.
-    * ``tensor_scale``: nvfp4's float32 per-tensor scale (0-d), ``None`` otherwise.
+    * ``tensor_scale``: nvfp4's float32 per-tensor scale (0-d; per row, ``[..., 1, 1]``, with
+      ``quantize(..., per_row=True)``), ``None`` otherwise.
     * ``shape``, ``dtype``: the original array's, restored by :func:`dequantize`.
     """
 
