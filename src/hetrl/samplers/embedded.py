@@ -111,7 +111,7 @@ def _record(out: dict, r, step) -> dict:
 
 class _Aborts:
     """The calls of every embedded sampler in this process, by call id, and whether each was
-    aborted: the decode loop asks :meth:`aborted` before every step (from an ``io_callback``,
+    aborted: the decode loop asks :meth:`aborted` at its checks (from an ``io_callback``,
     so the compiled function, shared by all samplers, takes only the call id)."""
 
     def __init__(self) -> None:
