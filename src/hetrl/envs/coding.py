@@ -1,12 +1,18 @@
 """The agentic coding environment: the policy writes code, the sandbox runs the tests.
 
-Two task kinds share one multi-turn loop (:class:`CodingEnv`):
+Three task kinds share one multi-turn loop (:class:`CodingEnv`):
 
 * :class:`FunctionTask` -- write one Python function. The action's fenced code block that defines
   ``entry_point`` becomes ``solution.py``; a harness (``_harness_function.py``) calls the function
-  on the visible and hidden inputs inside the sandbox and prints its return values as JSON lines.
-  **Expected values never enter the sandbox**: the parent compares them, so a candidate cannot
-  read or forge the hidden answers.
+  on the visible and hidden inputs inside the sandbox and prints its return values as typed data
+  (:mod:`hetrl.envs.typed`: int, float, bool, None, str, tuple, list, set and dict kept apart).
+  **Expected values never enter the sandbox and the reward is decided outside it**: the grader
+  decodes the values into plain built-ins and compares them (:func:`typed_equal`: ints exactly,
+  floats within the task's own tolerance, a tuple never equals a list).
+* :class:`CheckTask` -- HumanEval- and MBPP-style: write one function, scored by trusted test code
+  ``check(candidate)``, which runs in the grader's process with ``candidate`` a proxy whose calls
+  run in the sandbox and return typed data (:mod:`hetrl.envs.trusted_check`). Feedback says only
+  that the tests failed (and why the code did not load): the test code is never shown.
 * :class:`RepoTask` -- make a failing unittest suite pass in a small repository. The action gives
   whole files as fenced blocks tagged with their path (```` ```python pkg/mod.py ````); edits
   accumulate over the episode; test files cannot be edited. A harness (``_harness_unittest.py``)
@@ -30,20 +36,23 @@ from __future__ import annotations
 
 import ast
 import json
-import math
 import pathlib
 import re
 import secrets
 from dataclasses import dataclass
 from typing import Any, Union
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from hetrl.envs import typed
 from hetrl.envs.base import IM_END, IM_START, Environment, Message, Observation, StepResult, Task
 from hetrl.envs.sandbox import Sandbox, SandboxLimits, SandboxResult
+from hetrl.envs.trusted_check import CallResult, compile_check, run_check
 
 _HERE = pathlib.Path(__file__).parent
 FUNCTION_HARNESS = (_HERE / "_harness_function.py").read_text()
+#: :mod:`hetrl.envs.typed`, shipped into the run directory for the function harness.
+TYPED_MODULE = ("_hetrl_typed.py", (_HERE / "typed.py").read_text())
 UNITTEST_HARNESS = (_HERE / "_harness_unittest.py").read_text()
 SOLUTION_MODULE = "solution"
 _FENCE = re.compile(r"^[ \t]*```[ \t]*([^\n`]*)\n(.*?)^[ \t]*```[ \t]*$", re.M | re.S)
@@ -54,12 +63,23 @@ MAX_ANSWER_FILES, MAX_FILE_CHARS = 20, 100_000
 # -- tasks ---------------------------------------------------------------------------------------
 
 class FunctionCase(BaseModel):
-    """One call ``entry_point(*args)`` and its expected return value (JSON values)."""
+    """One call ``entry_point(*args)`` and its expected return value: values of the types
+    :mod:`hetrl.envs.typed` transfers (None, bool, int, float, str, list, tuple, set, frozenset,
+    dict, nested)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    args: tuple[JsonValue, ...]
-    expected: JsonValue
+    args: tuple[Any, ...]
+    expected: Any
+
+    @field_validator("args", "expected")
+    @classmethod
+    def _transferable(cls, value: Any) -> Any:
+        try:
+            typed.encode(value)
+        except typed.TypedError as exc:
+            raise ValueError(str(exc)) from None
+        return value
 
 
 def _check_syntax(what: str, source: str) -> None:
@@ -81,6 +101,9 @@ class FunctionTask(Task):
     hidden: tuple[FunctionCase, ...] = Field(min_length=1)
     reference: str
     tier: int = Field(default=0, ge=0)
+    rel_tol: float = Field(default=1e-9, ge=0)
+    abs_tol: float = Field(default=1e-9, ge=0)
+    """The tolerance of float return values (:func:`typed_equal`); ints are always exact."""
 
     @model_validator(mode="after")
     def _reference_format(self) -> "FunctionTask":
@@ -159,7 +182,34 @@ class RepoTask(Task):
                 "of every file you change, each in a ```python <path> block.")
 
 
-CodingTask = Union[FunctionTask, RepoTask]
+class CheckTask(Task):
+    """Write the function ``entry_point``, scored by trusted test code: ``test`` defines
+    ``check(candidate)`` (HumanEval's format), which runs in the grader after ``context`` (code the
+    answer builds on and the test may use: a HumanEval prompt with its imports and helpers; it
+    precedes the answer in ``solution.py``). ``prompt`` is what the policy sees; ``reference`` a
+    correct answer (a fenced block defining ``entry_point``), when the task set has one."""
+
+    prompt: str = Field(min_length=1)
+    entry_point: str = Field(pattern=r"^[A-Za-z_]\w*$")
+    context: str = ""
+    test: str = Field(min_length=1)
+    reference: str | None = None
+
+    @model_validator(mode="after")
+    def _valid_code(self) -> "CheckTask":
+        compile_check(self.context, self.test, f"task {self.task_id}")
+        if not any(isinstance(node, ast.FunctionDef) and node.name == "check" for node in ast.parse(self.test).body):
+            raise ValueError(f"task {self.task_id}: the test code defines no check(candidate)")
+        if self.reference is not None:
+            code, format_ok = extract_code(self.reference, self.entry_point)
+            if code is None or not format_ok:
+                raise ValueError(f"task {self.task_id}: reference must be a fenced ```python block "
+                                 f"defining {self.entry_point}()")
+            _check_syntax(f"task {self.task_id}: reference", code)
+        return self
+
+
+CodingTask = Union[FunctionTask, RepoTask, CheckTask]
 
 
 def unittest_ids(path: str, source: str) -> tuple[str, ...]:
@@ -290,23 +340,8 @@ def _records(stdout: str, nonce: str) -> list[dict]:
     return out
 
 
-def json_equal(a: Any, b: Any) -> bool:
-    """Equality of JSON values; floats within 1e-9 (relative or absolute); booleans are not
-    numbers."""
-    if isinstance(a, bool) or isinstance(b, bool):
-        return type(a) is type(b) and a == b
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        return a == b or math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(json_equal(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(json_equal(a[k], b[k]) for k in a)
-    return type(a) is type(b) and a == b
-
-
-def _show(value: Any, limit: int = 120) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
+_show = typed.show
+typed_equal = typed.typed_equal
 
 
 def _sanitize(text: str) -> str:
@@ -345,8 +380,8 @@ class CodingEnv(Environment):
     # -- episode -----------------------------------------------------------------------------
 
     def reset(self, task: CodingTask) -> Observation:
-        if not isinstance(task, (FunctionTask, RepoTask)):
-            raise TypeError(f"CodingEnv takes FunctionTask or RepoTask, not {type(task).__name__}")
+        if not isinstance(task, (FunctionTask, RepoTask, CheckTask)):
+            raise TypeError(f"CodingEnv takes FunctionTask, RepoTask or CheckTask, not {type(task).__name__}")
         self._task, self._turn, self._done = task, 0, False
         self._files = dict(task.files) if isinstance(task, RepoTask) else {}
         messages = [Message(role="user", content=_sanitize(task.prompt))]
@@ -358,10 +393,10 @@ class CodingEnv(Environment):
         if self._task is None or self._done:
             raise RuntimeError("no episode is running: call reset() first")
         self._turn += 1
-        if isinstance(self._task, FunctionTask):
-            grade = self.grade(self._task, action_text)
-        else:
+        if isinstance(self._task, RepoTask):
             grade = self._grade_repo_answer(self._task, action_text, self._files)
+        else:
+            grade = self.grade(self._task, action_text)
         info = {"turn": self._turn, **grade.info()}
         if grade.visible_passed or self._turn >= self.config.max_turns:
             self._done = True
@@ -375,39 +410,86 @@ class CodingEnv(Environment):
         """Grade one answer on its own (for a repository task: applied to the initial files)."""
         if isinstance(task, RepoTask):
             return self._grade_repo_answer(task, action_text, dict(task.files))
+        if isinstance(task, CheckTask):
+            return self._grade_check_answer(task, action_text)
         code, format_ok = extract_code(action_text, task.entry_point)
         cases = task.visible + task.hidden
         if code is None:
             return self._untested(task, "No code block found.", format_ok)
-        nonce = secrets.token_hex(8)
-        spec = {"nonce": nonce, "module": SOLUTION_MODULE, "entry": task.entry_point,
-                "cases": [list(c.args) for c in cases], "timeout_s": self.config.test_timeout_s}
-        res = self.sandbox.run(FUNCTION_HARNESS, stdin=json.dumps(spec), files={f"{SOLUTION_MODULE}.py": code})
-        records = _records(res.stdout, nonce)
-        load_error = next((str(r["load_error"]) for r in records if "load_error" in r), None)
-        by_index = {r["i"]: r for r in records if type(r.get("i")) is int}
-        missing = load_error or (f"no result (sandbox: {res.killed_reason})" if res.killed_reason else "no result")
+        load_error, results, res = self.call(code, task.entry_point, [(c.args, {}) for c in cases])
         outcomes = []
-        for i, case in enumerate(cases):
+        for case, result in zip(cases, results):
             call = f"{task.entry_point}({', '.join(_show(a) for a in case.args)})"
-            record = by_index.get(i)
-            if record is None:
-                outcomes.append(Outcome(call, False, f"{call}: {missing}"))
-            elif "error" in record:
-                outcomes.append(Outcome(call, False, f"{call} raised {_show(str(record['error']), 300)}"))
+            if not result.ok:
+                detail = f"{call} raised {result.error}" if result.raised else f"{call}: {result.error}"
+                outcomes.append(Outcome(call, False, detail))
             else:
-                try:
-                    got = record.get("out")
-                    outcomes.append(Outcome(call, json_equal(got, case.expected),
-                                            f"{call} == {_show(case.expected)}, got {_show(got)}"))
-                except RecursionError:
-                    outcomes.append(Outcome(call, False, f"{call} returned a too deeply nested value"))
+                passed = typed_equal(result.value, case.expected, task.rel_tol, task.abs_tol)
+                outcomes.append(Outcome(call, passed, f"{call} == {_show(case.expected)}, got {_show(result.value)}"))
         n = len(task.visible)
         notes = (f"Your code failed to load: {load_error}",) if load_error else ()
         return Grade(tuple(outcomes[:n]), tuple(outcomes[n:]), format_ok, notes, load_error is None, res)
 
+    def call(self, code: str, entry_point: str, calls: list[tuple[tuple, dict]],
+             max_out_chars: int = 2_000) -> tuple[str | None, list[CallResult], SandboxResult]:
+        """Run ``entry_point(*args, **kwargs)`` of ``code`` for each call, in one sandbox run:
+        ``(load_error, one CallResult per call, the sandbox result)``. Return values come back
+        typed (:mod:`hetrl.envs.typed`); an error is ``"Type: message"``, or says why no result
+        came (the code did not load, the sandbox killed the run)."""
+        nonce = secrets.token_hex(8)
+        spec = {"nonce": nonce, "module": SOLUTION_MODULE, "entry": entry_point,
+                "calls": [typed.encode(c) for c in calls], "timeout_s": self.config.test_timeout_s,
+                "max_out_chars": max_out_chars}
+        res = self.sandbox.run(FUNCTION_HARNESS, stdin=json.dumps(spec),
+                               files={f"{SOLUTION_MODULE}.py": code, TYPED_MODULE[0]: TYPED_MODULE[1]})
+        records = _records(res.stdout, nonce)
+        load_error = next((str(r["load_error"]) for r in records if "load_error" in r), None)
+        by_index = {r["i"]: r for r in records if type(r.get("i")) is int}
+        missing = load_error or (f"no result (sandbox: {res.killed_reason})" if res.killed_reason else "no result")
+        results = []
+        for i in range(len(calls)):
+            record = by_index.get(i)
+            if record is None:
+                results.append(CallResult(False, error=missing))
+            elif "error" in record:
+                results.append(CallResult(False, error=_show(str(record["error"]), 300), raised=True))
+            else:
+                try:
+                    results.append(CallResult(True, typed.decode(record.get("out"))))
+                except typed.TypedError as exc:
+                    results.append(CallResult(False, error=f"returned a malformed value ({exc})"))
+        return load_error, results, res
+
+    def _grade_check_answer(self, task: CheckTask, action_text: str) -> Grade:
+        """Run the task's trusted ``check(candidate)`` here, the candidate's calls in the sandbox."""
+        code, format_ok = extract_code(action_text, task.entry_point)
+        if code is None:
+            return self._untested(task, "No code block found.", format_ok)
+        solution = f"{task.context}\n\n{code}" if task.context else code
+        sandbox_runs: list[SandboxResult] = []
+        load_errors: list[str] = []
+
+        def call(batch):
+            load_error, results, res = self.call(solution, task.entry_point, list(batch), max_out_chars=1 << 16)
+            sandbox_runs.append(res)
+            if load_error:
+                load_errors.append(load_error)
+                return load_error
+            return results
+
+        result = run_check(compile_check(task.context, task.test, f"task {task.task_id}"), task.entry_point, call)
+        if load_errors:
+            notes: tuple[str, ...] = (f"Your code failed to load: {load_errors[0]}",)
+        else:
+            notes = () if result.passed else (f"Your code failed the tests ({result.error}).",)
+        outcome = (Outcome("check", result.passed, notes[0] if notes else ""),)
+        return Grade(outcome, outcome, format_ok, notes, not load_errors,
+                     sandbox_runs[-1] if sandbox_runs else None)
+
     def _untested(self, task: CodingTask, note: str, format_ok: bool) -> Grade:
-        if isinstance(task, FunctionTask):
+        if isinstance(task, CheckTask):
+            visible = scored = (Outcome("check", False),)
+        elif isinstance(task, FunctionTask):
             visible = tuple(Outcome(f"case {i}", False) for i in range(len(task.visible)))
             scored = tuple(Outcome(f"case {i}", False) for i in range(len(task.hidden)))
         else:
@@ -456,7 +538,7 @@ class CodingEnv(Environment):
         """The next user message: what failed on the visible tests, compactly."""
         failed = [o for o in grade.visible if not o.passed]
         lines = [note[:300] for note in grade.notes]
-        if grade.tested and failed:
+        if grade.tested and failed and not isinstance(self._task, CheckTask):  # check tasks: the notes
             lines.append(f"Failed {len(failed)}/{len(grade.visible)}:")
             for o in failed[: self.config.max_failures_shown]:
                 if isinstance(self._task, RepoTask):
