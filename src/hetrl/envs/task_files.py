@@ -133,7 +133,8 @@ def load_task_file(path: str | os.PathLike, family: str | None = None) -> tuple[
             except ValidationError as exc:
                 first = exc.errors()[0]
                 loc = ".".join(map(str, first["loc"]))
-                raise TaskSetError(f"{where}: {loc + ': ' if loc else ''}{first['msg']}") from None
+                message = first["msg"].removeprefix("Value error, ")
+                raise TaskSetError(f"{where}: {loc + ': ' if loc else ''}{message}") from None
             except (ValueError, SyntaxError, TypeError) as exc:
                 raise TaskSetError(f"{where}: {exc}") from None
     except OSError as exc:

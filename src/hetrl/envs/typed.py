@@ -130,11 +130,18 @@ def typed_equal(got, expected, rel_tol=1e-9, abs_tol=1e-9) -> bool:
 
 
 def _key(value) -> str:
-    """A canonical text of a hashable value that tells types apart (1, 1.0 and True differ)."""
-    data = encode(value)
-    if isinstance(value, (set, frozenset)):
-        data = [data[0], *sorted(json.dumps(v, sort_keys=True) for v in data[1:])]
-    return json.dumps(data, sort_keys=True)
+    """A canonical text of a hashable value that tells types apart (1, 1.0 and True differ):
+    its encoding with the elements of every set (at any depth) in sorted order."""
+    return _canonical(encode(value))
+
+
+def _canonical(data) -> str:
+    if type(data) is not list:
+        return json.dumps(data)
+    items = [_canonical(v) for v in data[1:]]
+    if data[0] in ("S", "F", "d"):
+        items.sort()
+    return "[" + ",".join([json.dumps(data[0]), *items]) + "]"
 
 
 def show(value, limit=120) -> str:
