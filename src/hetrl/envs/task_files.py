@@ -31,7 +31,10 @@ import pathlib
 import sys
 import tempfile
 import textwrap
+from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
+
+import numpy as np
 
 from pydantic import ValidationError
 
@@ -40,7 +43,7 @@ from hetrl.envs.coding import CheckTask
 from hetrl.errors import UserError
 
 __all__ = ["TaskSetError", "humaneval_task", "mbpp_task", "load_task_file", "load_tasks", "hidden_paths",
-           "NAMED_SOURCES"]
+           "NAMED_SOURCES", "TaskSplits", "task_splits"]
 
 NAMED_SOURCES = ("humaneval", "realcode", "synthetic", "synthetic:train")
 
@@ -192,3 +195,37 @@ def hidden_paths(source: str) -> tuple[str, ...]:
     if any(n == folder or folder in n.parents for n in needed):
         return ()
     return (str(folder),)
+
+
+@dataclass(frozen=True)
+class TaskSplits:
+    """Train and held-out tasks of fixed task sets: every pass over ``train`` has the same tasks
+    (the interface of :class:`~hetrl.envs.tasks_synthetic.SyntheticSuite` that the loop's task
+    source uses)."""
+
+    train: tuple[Task, ...]
+    heldout: tuple[Task, ...]
+
+    def train_pass(self, epoch: int) -> tuple[Task, ...]:
+        return self.train
+
+
+def task_splits(train: str, heldout: str | None = None, heldout_fraction: float = 0.1, seed: int = 0) -> TaskSplits:
+    """The splits of ``environment.options`` of ``name: coding``: ``train``'s tasks and
+    ``heldout``'s, or (``heldout`` None) ``round(heldout_fraction * n)`` (at least one) of
+    ``train``'s ``n`` tasks drawn by ``seed`` held out and the rest trained on, both in file order.
+    :class:`TaskSetError` when a task id is in both, or nothing is left to train on."""
+    tasks = load_tasks(train)
+    if heldout is not None:
+        held = load_tasks(heldout)
+        both = sorted({t.task_id for t in tasks} & {t.task_id for t in held})
+        if both:
+            raise TaskSetError(f"{len(both)} task ids are both in train ({train}) and held out ({heldout}), "
+                               f"e.g. {both[0]!r}: held-out tasks must not be trained on")
+        return TaskSplits(tasks, held)
+    if len(tasks) < 2:
+        raise TaskSetError(f"{train}: {len(tasks)} task, nothing to hold out; give environment.options.heldout")
+    n_held = max(1, int(round(heldout_fraction * len(tasks))))
+    held_out = set(np.random.default_rng(seed).permutation(len(tasks))[:n_held].tolist())
+    return TaskSplits(tuple(t for i, t in enumerate(tasks) if i not in held_out),
+                      tuple(t for i, t in enumerate(tasks) if i in held_out))
