@@ -16,9 +16,15 @@ Three task kinds share one multi-turn loop (:class:`CodingEnv`):
 * :class:`RepoTask` -- make a failing unittest suite pass in a small repository. The action gives
   whole files as fenced blocks tagged with their path (```` ```python pkg/mod.py ````); edits
   accumulate over the episode; test files cannot be edited. A harness (``_harness_unittest.py``)
-  runs the visible and hidden test files with stdlib :mod:`unittest` inside the sandbox. These
-  tests run in the candidate's process, so a candidate that deliberately attacks the runner could
-  forge its report: use function tasks where rewards must be tamper-proof.
+  runs the test files with stdlib :mod:`unittest` inside the sandbox, from the grader's pristine
+  copy (sent over stdin; what the candidate writes to disk changes nothing), each file in a child
+  process of a harness that never loads the candidate's code and relays the child's records.
+  Each turn's feedback comes from a run of the visible tests only; the hidden tests are staged
+  only for the scoring run once the episode ends, with canary tests that must fail: one reported
+  passing (``unittest`` patched, every test reported passed) marks the answer ``tampered``
+  (reward 0, ``info["tampered"]`` says why). Tests still run in the candidate's process, so
+  residual risk remains (see the harness's docstring): use function or HumanEval-style tasks
+  where a reward must not be forgeable.
 
 Episode: turn t runs the current answer; while visible tests fail and ``t < max_turns`` the
 failures (inputs, expected, got, errors; or test ids and messages) come back as the next user
@@ -26,9 +32,9 @@ message; the episode ends when the visible tests pass or the turns run out, with
 
     reward = (1 - format_weight) * fraction of scored tests passed + format_weight * format_ok
 
-on the final answer, where the scored tests are the hidden cases of a function task and every
-test (visible and hidden) of a repository task, and ``format_ok`` means the answer used the
-expected fenced format. Intermediate turns earn 0. Nothing from the sandbox is evaluated in the
+on the final answer (0 when tampered), where the scored tests are the hidden cases of a function
+task, the trusted ``check`` of a check task and every test (visible and hidden) of a repository
+task, and ``format_ok`` means the answer used the expected fenced format. Intermediate turns earn 0. Nothing from the sandbox is evaluated in the
 parent: results travel as JSON lines tagged with a per-run nonce, parsed with :func:`json.loads`.
 """
 
@@ -295,7 +301,8 @@ class Outcome:
 class Grade:
     """Result of running one answer: ``visible`` tests (feedback), ``scored`` tests (reward),
     ``format_ok``; ``notes`` for the policy (no code, load error, ignored edits); ``tested`` is
-    False when no test could run (then every test failed); the sandbox result if it ran."""
+    False when no test could run (then every test failed); the sandbox result if it ran;
+    ``tampered``: why the test runner's report cannot be trusted (then the reward is 0)."""
 
     visible: tuple[Outcome, ...]
     scored: tuple[Outcome, ...]
@@ -303,6 +310,7 @@ class Grade:
     notes: tuple[str, ...]
     tested: bool
     sandbox: SandboxResult | None
+    tampered: str | None = None
 
     @property
     def visible_passed(self) -> bool:
@@ -310,19 +318,36 @@ class Grade:
 
     @property
     def scored_fraction(self) -> float:
-        return sum(o.passed for o in self.scored) / len(self.scored)
+        """The fraction of scored tests passed (0 when tampered)."""
+        return 0.0 if self.tampered else sum(o.passed for o in self.scored) / len(self.scored)
 
     def reward(self, format_weight: float) -> float:
+        if self.tampered:
+            return 0.0
         return (1.0 - format_weight) * self.scored_fraction + format_weight * float(self.format_ok)
 
     def info(self) -> dict[str, Any]:
         return {
             "visible_passed": sum(o.passed for o in self.visible), "visible_total": len(self.visible),
             "scored_passed": sum(o.passed for o in self.scored), "scored_total": len(self.scored),
-            "format_ok": self.format_ok, "notes": list(self.notes),
+            "format_ok": self.format_ok, "notes": list(self.notes), "tampered": self.tampered,
             "killed_reason": self.sandbox.killed_reason if self.sandbox else None,
             "sandbox_wall_s": self.sandbox.wall_s if self.sandbox else 0.0,
         }
+
+
+def _canary_ids(path: str) -> tuple[str, tuple[str, ...]]:
+    """A fresh random test class name and method names for the canary of test file ``path``."""
+    return f"Test{secrets.token_hex(4).capitalize()}", tuple(f"test_{secrets.token_hex(4)}" for _ in range(3))
+
+
+def _canary_source(class_name: str, methods: tuple[str, ...]) -> str:
+    """A unittest class whose tests must fail (an ``assertEqual`` of two different numbers, a
+    false ``assertTrue``, a bare ``assert``): appended to a test file when scoring."""
+    a = secrets.randbelow(10**6)
+    checks = (f"self.assertEqual({a}, {a + 1 + secrets.randbelow(99)})", "self.assertTrue(0)", "assert 0")
+    body = "".join(f"    def {m}(self):\n        {c}\n\n" for m, c in zip(methods, checks))
+    return f"\n\nclass {class_name}(__import__('unittest').TestCase):\n{body}"
 
 
 def _records(stdout: str, nonce: str) -> list[dict]:
@@ -393,8 +418,10 @@ class CodingEnv(Environment):
         if self._task is None or self._done:
             raise RuntimeError("no episode is running: call reset() first")
         self._turn += 1
-        if isinstance(self._task, RepoTask):
-            grade = self._grade_repo_answer(self._task, action_text, self._files)
+        if isinstance(self._task, RepoTask):  # hidden tests run only once the episode ends
+            grade = self._grade_repo_answer(self._task, action_text, self._files, scoring=False)
+            if grade.tested and (grade.visible_passed or self._turn >= self.config.max_turns):
+                grade = self._run_repo_tests(self._task, self._files, grade.format_ok, grade.notes, scoring=True)
         else:
             grade = self.grade(self._task, action_text)
         info = {"turn": self._turn, **grade.info()}
@@ -501,8 +528,11 @@ class CodingEnv(Environment):
     def _ids(task: RepoTask, path: str) -> tuple[str, ...]:
         return unittest_ids(path, {**task.tests, **task.hidden_tests}[path])
 
-    def _grade_repo_answer(self, task: RepoTask, action_text: str, state: dict[str, str]) -> Grade:
-        """Apply the answer's files to ``state`` (in place; test paths refused) and run the tests."""
+    def _grade_repo_answer(self, task: RepoTask, action_text: str, state: dict[str, str], *,
+                           scoring: bool = True) -> Grade:
+        """Apply the answer's files to ``state`` (in place; test paths refused) and run the tests:
+        with ``scoring``, every test file (hidden ones staged only now) with canaries; else the
+        visible ones only (feedback)."""
         edits, problems = extract_files(action_text)
         refused = sorted(p for p in edits if p in task.tests or p in task.hidden_tests)
         if refused:
@@ -511,16 +541,28 @@ class CodingEnv(Environment):
         format_ok = bool(edits) and not problems
         if not edits:
             return self._untested(task, "; ".join(problems) or "No file blocks found.", format_ok)
+        return self._run_repo_tests(task, state, format_ok, tuple(problems), scoring=scoring)
+
+    def _run_repo_tests(self, task: RepoTask, state: dict[str, str], format_ok: bool, notes: tuple[str, ...], *,
+                        scoring: bool) -> Grade:
+        """Run the task's tests on ``state`` (see :meth:`_grade_repo_answer`). The test sources
+        reach the harness from the task's pristine copy over stdin (visible ones are also on disk,
+        as the policy saw them; hidden ones never are). When scoring, each file gets a canary
+        test class that must fail: a canary reported passing or missing while its file's tests
+        reported means the candidate tampered with the runner (:attr:`Grade.tampered`, reward 0)."""
+        paths = task.test_paths if scoring else tuple(sorted(task.tests))
+        sources = {**task.tests, **task.hidden_tests}
+        canaries = {p: _canary_ids(p) for p in paths} if scoring else {}
+        tests = {p: sources[p] + (_canary_source(*canaries[p]) if scoring else "") for p in paths}
         nonce = secrets.token_hex(8)
-        spec = {"nonce": nonce, "files": list(task.test_paths), "timeout_s": self.config.test_timeout_s}
-        res = self.sandbox.run(UNITTEST_HARNESS, stdin=json.dumps(spec),
-                               files={**state, **task.tests, **task.hidden_tests})
+        spec = {"nonce": nonce, "tests": tests, "timeout_s": self.config.test_timeout_s}
+        res = self.sandbox.run(UNITTEST_HARNESS, stdin=json.dumps(spec), files={**state, **task.tests})
         records = _records(res.stdout, nonce)
         by_id = {r["id"]: r for r in records if isinstance(r.get("id"), str)}
         file_errors = {r["file"]: str(r.get("message", "")) for r in records if isinstance(r.get("file"), str)}
         fallback = f"no result (sandbox: {res.killed_reason})" if res.killed_reason else "no result"
         outcomes: dict[str, Outcome] = {}
-        for path in task.test_paths:
+        for path in paths:
             for test_id in self._ids(task, path):
                 record = by_id.get(test_id)
                 if record is None:
@@ -530,9 +572,16 @@ class CodingEnv(Environment):
                     status = record.get("status")
                     message = str(record.get("message", ""))
                     outcomes[test_id] = Outcome(test_id, status == "pass", f"{str(status).upper()}: {message}")
+        tampered = None
+        for path, (class_name, methods) in canaries.items():
+            reported = any(t in by_id for t in self._ids(task, path))
+            for method in methods:
+                record = by_id.get(f"{path[:-3].replace('/', '.')}.{class_name}.{method}")
+                if (record is None and reported) or (record is not None and record.get("status") not in ("fail", "error")):
+                    tampered = f"a canary test of {path} that must fail was reported {record and record.get('status')}"
         visible_ids = [t for p in sorted(task.tests) for t in self._ids(task, p)]
         return Grade(tuple(outcomes[t] for t in visible_ids), tuple(outcomes.values()), format_ok,
-                     tuple(problems), True, res)
+                     notes, True, res, tampered)
 
     def _feedback(self, grade: Grade) -> str:
         """The next user message: what failed on the visible tests, compactly."""
