@@ -329,7 +329,7 @@ class Grade:
     def info(self) -> dict[str, Any]:
         return {
             "visible_passed": sum(o.passed for o in self.visible), "visible_total": len(self.visible),
-            "scored_passed": sum(o.passed for o in self.scored), "scored_total": len(self.scored),
+            "scored_passed": 0 if self.tampered else sum(o.passed for o in self.scored), "scored_total": len(self.scored),
             "format_ok": self.format_ok, "notes": list(self.notes), "tampered": self.tampered,
             "killed_reason": self.sandbox.killed_reason if self.sandbox else None,
             "sandbox_wall_s": self.sandbox.wall_s if self.sandbox else 0.0,

@@ -657,6 +657,7 @@ class AsyncOrchestrator(abc.ABC):
                     }
                     last_time, last_gen_tokens = now, gen_tokens
                     record["rollout/solved"] = float(np.mean([r.timings.get("solved", 0.0) for r in rollouts]))
+                    record["rollout/tampered"] = float(np.mean([r.timings.get("tampered", 0.0) for r in rollouts]))
                     if eval_every and (self.trainer.version % eval_every == 0 or self.trainer.version == cfg.steps):
                         record.update(self._evaluate(weights))
                     if self.trainer.save(force=False):
