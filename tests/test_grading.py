@@ -527,3 +527,47 @@ raise ValueError(repr(texts)[-2000:] + repr(sys._getframe().f_back.f_back.f_loca
         assert hidden not in step.observation.text
     final = episode.step(task.reference + f"\n```python textstats/__init__.py\n{task.files['textstats/__init__.py']}```")
     assert final.done and final.reward == 1.0 and final.info["scored_total"] == 8
+
+
+# -- repository-task directories -----------------------------------------------------------------
+
+def _write_tree(root: pathlib.Path, files: dict) -> None:
+    for path, text in files.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(text)
+
+
+def test_a_repo_task_directory_loads_and_grades(env, tmp_path):
+    from hetrl.envs.coding import extract_files
+    from hetrl.envs.tasks_realcode import BROKEN, repo_tasks
+
+    original = next(t for t in repo_tasks() if t.task_id == "repo-textstats")
+    root = tmp_path / "tasks" / "textstats"
+    _write_tree(root / "repo", original.files)
+    _write_tree(root / "visible", original.tests)
+    _write_tree(root / "hidden", original.hidden_tests)
+    _write_tree(root / "reference", extract_files(original.reference)[0])
+    (root / "ISSUE.md").write_text(original.issue)
+    (root / "task.json").write_text(json.dumps({"task_id": "repo-textstats", "test_command": "unittest"}))
+    (task,) = load_tasks(str(tmp_path / "tasks"))
+    assert task.model_dump(exclude={"family", "reference"}) == original.model_dump(exclude={"family", "reference"})
+    assert env.grade(task, task.reference).reward(0.1) == 1.0
+    assert env.grade(task, BROKEN["repo-textstats"][0]).reward(0.1) < 1.0
+    assert load_tasks(str(root)) == (task,) and hidden_paths(str(root)) == (str(root.resolve()),)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"task.json": '{"test_command": "pytest"}'}, "test_command 'pytest': only 'unittest'"),
+    ({"task.json": '{"tests": 1}'}, "unknown keys ['tests']"),
+    ({"task.json": "{"}, "task.json: not JSON"),
+    ({"visible/tests/test_a.py": "x = 1\n"}, "test file tests/test_a.py defines no unittest test methods"),
+    ({"hidden/repo/a.py": "import unittest\nclass T(unittest.TestCase):\n    def test_a(self): pass\n"},
+     "a path is both a source file and a test file"),
+])
+def test_a_malformed_repo_task_directory_fails_naming_it(tmp_path, change, message):
+    base = {"repo/repo/a.py": "x = 1\n", "ISSUE.md": "Fix it.",
+            "visible/tests/test_a.py": "import unittest\nclass T(unittest.TestCase):\n    def test_a(self): pass\n"}
+    _write_tree(tmp_path / "t", {**base, **change})
+    with pytest.raises(TaskSetError) as err:
+        load_tasks(str(tmp_path / "t"))
+    assert message in str(err.value) and str(tmp_path / "t") in str(err.value)

@@ -134,13 +134,13 @@ class RepoTask(Task):
     ``tests``: visible test files (shown, give feedback); ``hidden_tests``: scored with the
     visible ones but never shown. Test files are ``unittest`` modules (``.py``, valid Python,
     with test methods). ``reference`` is a correct answer in the expected format: path-tagged
-    blocks that edit no test file."""
+    blocks that edit no test file (None when the task set has none)."""
 
     issue: str = Field(min_length=1)
     files: dict[str, str]
     tests: dict[str, str] = Field(min_length=1)
     hidden_tests: dict[str, str] = Field(default_factory=dict)
-    reference: str
+    reference: str | None = None
 
     @field_validator("files", "tests", "hidden_tests")
     @classmethod
@@ -165,6 +165,8 @@ class RepoTask(Task):
 
     @model_validator(mode="after")
     def _reference_files(self) -> "RepoTask":
+        if self.reference is None:
+            return self
         files, problems = extract_files(self.reference)
         if problems or not files:
             raise ValueError(f"task {self.task_id}: reference must give files as ```python <path> blocks: "

