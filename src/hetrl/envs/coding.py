@@ -423,7 +423,7 @@ class CodingEnv(Environment):
         if isinstance(self._task, RepoTask):  # hidden tests run only once the episode ends
             grade = self._grade_repo_answer(self._task, action_text, self._files, scoring=False)
             if grade.tested and (grade.visible_passed or self._turn >= self.config.max_turns):
-                grade = self._run_repo_tests(self._task, self._files, grade.format_ok, grade.notes, scoring=True)
+                grade = self.run_repo_tests(self._task, self._files, grade.format_ok, grade.notes, scoring=True)
         else:
             grade = self.grade(self._task, action_text)
         info = {"turn": self._turn, **grade.info()}
@@ -543,9 +543,9 @@ class CodingEnv(Environment):
         format_ok = bool(edits) and not problems
         if not edits:
             return self._untested(task, "; ".join(problems) or "No file blocks found.", format_ok)
-        return self._run_repo_tests(task, state, format_ok, tuple(problems), scoring=scoring)
+        return self.run_repo_tests(task, state, format_ok, tuple(problems), scoring=scoring)
 
-    def _run_repo_tests(self, task: RepoTask, state: dict[str, str], format_ok: bool, notes: tuple[str, ...], *,
+    def run_repo_tests(self, task: RepoTask, state: dict[str, str], format_ok: bool, notes: tuple[str, ...], *,
                         scoring: bool) -> Grade:
         """Run the task's tests on ``state`` (see :meth:`_grade_repo_answer`). The test sources
         reach the harness from the task's pristine copy over stdin (visible ones are also on disk,
