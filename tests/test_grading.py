@@ -571,3 +571,31 @@ def test_a_malformed_repo_task_directory_fails_naming_it(tmp_path, change, messa
     with pytest.raises(TaskSetError) as err:
         load_tasks(str(tmp_path / "t"))
     assert message in str(err.value) and str(tmp_path / "t") in str(err.value)
+
+
+@pytest.fixture()
+def readable_dir():
+    """A world-readable directory (pytest's own are private to root, which hides nothing)."""
+    import shutil
+    import tempfile
+
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="hetrl-test-tasks-"))
+    folder.chmod(0o755)
+    yield folder
+    shutil.rmtree(folder)
+
+
+def test_a_task_files_directory_is_hidden_from_the_sandbox(readable_dir):
+    """An answer that reads the task file for the reference solution gets nothing: the sandbox of a
+    run on a task file hides the file's directory (hidden_paths), as the loop and hetrl eval do."""
+    path = readable_dir / "mbpp.jsonl"
+    path.write_text(json.dumps(_MBPP[1]) + "\n")
+    (task,) = load_task_file(path)
+    cheat = _fence(f"import json\nexec(json.loads(open({str(path)!r}).read())['code'])")
+    config = CodingEnvConfig()
+    protected = CodingEnv(config, Sandbox(config.limits, hidden=DEFAULT_HIDDEN + hidden_paths(str(path))))
+    grade = protected.grade(task, cheat)
+    assert grade.scored_fraction == 0.0 and "FileNotFoundError" in grade.notes[0]
+    namespace: dict = {}  # where the file is readable, the answer is right
+    exec(cheat[len("```python\n"):-len("\n```")], namespace)
+    assert namespace["square"](3) == (12, 9)
