@@ -64,15 +64,16 @@ def _path_problems(config: RunConfig) -> list[str]:
 
 
 def _environment_problems(config: RunConfig) -> list[str]:
-    """Task sets of ``name: coding`` that are neither a named set nor an existing file."""
+    """Task sets of ``name: coding`` that are neither a named set nor an existing file or directory."""
     from hetrl.envs.task_files import NAMED_SOURCES
 
     if config.environment.name != "coding":
         return []
     options = config.environment.options
-    return [f"environment.options.{key}: no task set {source!r}: name one of {', '.join(NAMED_SOURCES)} or an "
-            f"existing .jsonl file" for key, source in (("train", options.train), ("heldout", options.heldout))
-            if source is not None and source not in NAMED_SOURCES and not pathlib.Path(source).is_file()]
+    return [f"environment.options.{key}: no task set {source!r}: name one of {', '.join(NAMED_SOURCES)}, an "
+            f"existing .jsonl file or a repository-task directory"
+            for key, source in (("train", options.train), ("heldout", options.heldout))
+            if source is not None and source not in NAMED_SOURCES and not pathlib.Path(source).exists()]
 
 
 def runnable_problems(config: RunConfig) -> list[str]:
