@@ -279,6 +279,14 @@ def test_check_rounds_batch_independent_calls_and_follow_dependent_ones():
     assert run_check(caught, "g", raising).passed  # the test sees a fresh KeyError, of its own class
 
 
+def test_check_stops_a_test_that_calls_without_end():
+    """A loop that would never end on placeholders (or on real values) is stopped at max_calls."""
+    call, _ = _calls_in_process("def g(x):\n    return 0", "g")
+    endless = compile_check("", "def check(candidate):\n    while candidate(1) == 0:\n        pass\n", "t")
+    result = run_check(endless, "g", call, max_calls=50)
+    assert not result.passed and result.error == "more than 50 calls of the candidate"
+
+
 def test_check_draws_the_same_random_calls_every_round():
     test = ("def check(candidate):\n    import random\n    for _ in range(20):\n"
             "        x = random.randint(0, 10**9)\n        assert candidate(x) == x + 1\n")

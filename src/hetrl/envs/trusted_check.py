@@ -99,8 +99,12 @@ class _Proxy:
 
     def __init__(self, known: dict[str, CallResult], pending: dict[str, tuple], max_calls: int):
         self._known, self._pending, self._max_calls = known, pending, max_calls
+        self._calls = 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._calls += 1
+        if self._calls > self._max_calls:  # repeated calls included: `while candidate(x) == 0` on a placeholder
+            raise _Incomplete()
         try:
             key = typed.dumps((args, kwargs))
         except typed.TypedError as exc:
@@ -109,8 +113,6 @@ class _Proxy:
             raise TypeError(f"the test passed an argument that cannot reach the sandbox: {exc}") from None
         result = self._known.get(key)
         if result is None:
-            if len(self._pending) + len(self._known) >= self._max_calls:
-                raise _Incomplete()
             self._pending[key] = (args, kwargs)
             return _Pending()
         if not result.ok:
@@ -172,7 +174,7 @@ def run_check(code: types.CodeType, entry_point: str, call: Callable[[Sequence[t
         error = _run_once(code, entry_point, _Proxy(known, pending, max_calls), seed)
         if not pending:
             if error == "incomplete":
-                error = f"more than {max_calls} calls"
+                error = f"more than {max_calls} calls of the candidate"
             return CheckResult(error is None, error, len(known), round_)
         if round_ == max_rounds:
             break
