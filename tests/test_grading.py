@@ -607,3 +607,39 @@ def test_a_task_files_directory_is_hidden_from_the_sandbox(readable_dir):
     namespace: dict = {}  # where the file is readable, the answer is right
     exec(cheat[len("```python\n"):-len("\n```")], namespace)
     assert namespace["square"](3) == (12, 9)
+
+
+def test_function_feedback_cannot_quote_hidden_inputs(env):
+    """Before the last turn only the visible inputs enter the sandbox: an answer that raises with
+    every input it finds in the harness quotes none of the hidden ones."""
+    task = _REAL["fn-factorial"]
+    leak = _fence('''import sys
+frame = sys._getframe()
+while frame is not None and not isinstance(frame.f_locals.get("spec"), dict):
+    frame = frame.f_back
+raise ValueError("inputs " + repr(frame.f_locals["spec"]["calls"]))
+def factorial(n):
+    return 1''')
+    episode = CodingEnv(env.config.model_copy(update={"max_turns": 2}), env.sandbox)
+    episode.reset(task)
+    text = episode.step(leak).observation.text
+    assert "inputs" in text and "'5'" in text  # a visible input, quoted
+    assert all(f"'{c.args[0]}'" not in text for c in task.hidden if c not in task.visible)
+    last = episode.step(leak)
+    assert last.done and last.info["scored_total"] == len(task.hidden)
+
+
+def test_humaneval_feedback_shows_no_load_error_message(env, humaneval):
+    """A HumanEval answer's load-time error could quote the hidden test's calls: only its type is shown."""
+    task = humaneval["HumanEval/0"]
+    leak = _fence('''import sys
+frame = sys._getframe()
+while frame is not None and not isinstance(frame.f_locals.get("spec"), dict):
+    frame = frame.f_back
+raise ValueError("calls " + repr(frame.f_locals["spec"]["calls"]))''')
+    episode = CodingEnv(env.config.model_copy(update={"max_turns": 2}), env.sandbox)
+    episode.reset(task)
+    text = episode.step(leak).observation.text
+    assert "Your code failed to load (ValueError)." in text and "calls" not in text and "0.3" not in text
+    broken = episode.step(_fence("def has_close_elements(numbers, threshold:\n    pass"))
+    assert broken.done and "SyntaxError" in broken.info["notes"][0]

@@ -420,10 +420,15 @@ class CodingEnv(Environment):
         if self._task is None or self._done:
             raise RuntimeError("no episode is running: call reset() first")
         self._turn += 1
+        last = self._turn >= self.config.max_turns
         if isinstance(self._task, RepoTask):  # hidden tests run only once the episode ends
             grade = self._grade_repo_answer(self._task, action_text, self._files, scoring=False)
-            if grade.tested and (grade.visible_passed or self._turn >= self.config.max_turns):
+            if grade.tested and (grade.visible_passed or last):
                 grade = self.run_repo_tests(self._task, self._files, grade.format_ok, grade.notes, scoring=True)
+        elif isinstance(self._task, FunctionTask) and not last:  # hidden inputs only in the scoring run
+            grade = self._grade_function(self._task, action_text, scoring=False)
+            if grade.visible_passed:
+                grade = self.grade(self._task, action_text)
         else:
             grade = self.grade(self._task, action_text)
         info = {"turn": self._turn, **grade.info()}
@@ -441,8 +446,14 @@ class CodingEnv(Environment):
             return self._grade_repo_answer(task, action_text, dict(task.files))
         if isinstance(task, CheckTask):
             return self._grade_check_answer(task, action_text)
+        return self._grade_function(task, action_text, scoring=True)
+
+    def _grade_function(self, task: FunctionTask, action_text: str, *, scoring: bool) -> Grade:
+        """Run the visible and (``scoring``) hidden cases; without ``scoring`` the hidden inputs
+        never enter the sandbox (the feedback of a run cannot quote them) and the visible cases
+        stand in for the scored ones."""
         code, format_ok = extract_code(action_text, task.entry_point)
-        cases = task.visible + task.hidden
+        cases = task.visible + task.hidden if scoring else task.visible
         if code is None:
             return self._untested(task, "No code block found.", format_ok)
         load_error, results, res = self.call(code, task.entry_point, [(c.args, {}) for c in cases])
@@ -457,7 +468,8 @@ class CodingEnv(Environment):
                 outcomes.append(Outcome(call, passed, f"{call} == {_show(case.expected)}, got {_show(result.value)}"))
         n = len(task.visible)
         notes = (f"Your code failed to load: {load_error}",) if load_error else ()
-        return Grade(tuple(outcomes[:n]), tuple(outcomes[n:]), format_ok, notes, load_error is None, res)
+        return Grade(tuple(outcomes[:n]), tuple(outcomes[n:] if scoring else outcomes), format_ok, notes,
+                     load_error is None, res)
 
     def call(self, code: str, entry_point: str, calls: list[tuple[tuple, dict]],
              max_out_chars: int = 2_000) -> tuple[str | None, list[CallResult], SandboxResult]:
@@ -507,8 +519,12 @@ class CodingEnv(Environment):
             return results
 
         result = run_check(compile_check(task.context, task.test, f"task {task.task_id}"), task.entry_point, call)
-        if load_errors:
-            notes: tuple[str, ...] = (f"Your code failed to load: {load_errors[0]}",)
+        if load_errors:  # its message could quote the hidden calls: a syntax error found here, else the type only
+            try:
+                ast.parse(solution)
+                notes: tuple[str, ...] = (f"Your code failed to load ({load_errors[0].split(':', 1)[0]}).",)
+            except SyntaxError as err:
+                notes = (f"Your code failed to load: SyntaxError (line {err.lineno}: {err.msg})",)
         else:
             notes = () if result.passed else (f"Your code failed the tests ({result.error}).",)
         outcome = (Outcome("check", result.passed, notes[0] if notes else ""),)
