@@ -26,9 +26,11 @@ Three task kinds share one multi-turn loop (:class:`CodingEnv`):
   residual risk remains (see the harness's docstring): use function or HumanEval-style tasks
   where a reward must not be forgeable.
 
-Episode: turn t runs the current answer; while visible tests fail and ``t < max_turns`` the
-failures (inputs, expected, got, errors; or test ids and messages) come back as the next user
-message; the episode ends when the visible tests pass or the turns run out, with
+Episode: turn t runs the current answer on the visible tests only (the hidden inputs and test
+files never enter that run, so its feedback cannot quote them); while they fail and
+``t < max_turns`` the failures (inputs, expected, got, errors; or test ids and messages) come back
+as the next user message; the episode ends when the visible tests pass or the turns run out, and
+the final answer is then scored by a run with every test (on the last turn, that run alone), with
 
     reward = (1 - format_weight) * fraction of scored tests passed + format_weight * format_ok
 
