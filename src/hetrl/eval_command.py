@@ -123,20 +123,22 @@ def evaluate(ckpt: Checkpoint, source: str, *, samples: int, ks: list[int], samp
              progress: bool = True, stop=None) -> dict[str, Any]:
     """Play every task of ``source`` ``samples`` times and write the results to ``out`` (module
     docstring); returns the summary."""
+    from hetrl.envs.task_files import hidden_paths, load_tasks
+
+    tasks = list(load_tasks(source, ckpt.suite))[:limit]  # a bad source fails before the heavy imports
+
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
     from tokenizers import Tokenizer
 
     from hetrl.envs.base import ChatFormat
     from hetrl.envs.coding import CodingEnv
     from hetrl.envs.sandbox import DEFAULT_HIDDEN, Sandbox
-    from hetrl.envs.task_files import hidden_paths, load_tasks
     from hetrl.models.config import ModelConfig
     from hetrl.orchestrator.episodes import EpisodeRunner
     from hetrl.orchestrator.evaluation import evaluate_tasks, pass_at_k
     from hetrl.samplers.embedded import EmbeddedSampler
     from hetrl.samplers.profiles import sampler_numerics
 
-    tasks = list(load_tasks(source, ckpt.suite))[:limit]
     model_config = ModelConfig.load(ckpt.directory)
     tokenizer = Tokenizer.from_file(str(ckpt.directory / "tokenizer.json"))
     chat = ChatFormat.from_tokenizer(tokenizer)
