@@ -59,6 +59,7 @@ def test_a_warm_start_evaluates_with_its_own_settings_and_a_run_folder_with_its_
 
 @pytest.mark.parametrize("argv, message", [
     (["--tasks", "synthetic", "--samples", "0"], "--samples 0: needs at least 1"),
+    (["--tasks", "synthetic", "--workers", "0"], "--workers 0: needs at least 1"),
     (["--tasks", "synthetic", "--samples", "2", "--greedy"], "--greedy gives every sample the same episode"),
     (["--tasks", "synthetic", "--samples", "2", "--k", "1,5"], "each k must be between 1 and --samples (2)"),
     (["--tasks", "nope.jsonl"], "no task set 'nope.jsonl'"),

@@ -3,7 +3,7 @@
 ``MODEL`` is an HF checkpoint directory (``config.json``, safetensors, ``tokenizer.json``) or a run
 folder (its ``hf/latest`` export; ``runs/x/hf/step-<n>`` works too). ``SOURCE`` is a task set of
 :func:`hetrl.envs.task_files.load_tasks`: ``humaneval``, ``realcode``, ``synthetic`` (held out),
-``synthetic:train`` or a HumanEval/MBPP-format JSONL file.
+``synthetic:train``, a HumanEval/MBPP-format JSONL file or a repository-task directory.
 
 Every task is played ``--samples`` times (episodes of the coding environment, multi-turn as in
 training) by the embedded sampler in its exact fp32 profile; sandboxes of a batch run in parallel
@@ -35,7 +35,8 @@ __all__ = ["add_arguments", "run", "resolve_checkpoint", "evaluate"]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="an HF checkpoint directory, or a run folder (its hf/latest)")
     parser.add_argument("--tasks", required=True, metavar="SOURCE",
-                        help="humaneval | realcode | synthetic | synthetic:train | a HumanEval/MBPP .jsonl file")
+                        help="humaneval | realcode | synthetic | synthetic:train | a HumanEval/MBPP .jsonl file | "
+                             "a repository-task directory")
     parser.add_argument("--samples", type=int, default=1, help="episodes per task (n of pass@k; default 1)")
     parser.add_argument("--k", default=None, help="comma-separated k of pass@k (default 1 and the powers of ten up to n)")
     parser.add_argument("--limit", type=int, default=None, help="only the first N tasks")
@@ -188,8 +189,9 @@ def run(args: argparse.Namespace) -> int:
 
     with signal_handlers("hetrl eval") as stop:
         try:
-            if args.samples < 1:
-                raise UserError(f"--samples {args.samples}: needs at least 1")
+            for flag, value in (("--samples", args.samples), ("--limit", args.limit), ("--workers", args.workers)):
+                if value is not None and value < 1:
+                    raise UserError(f"{flag} {value}: needs at least 1")
             if args.greedy and args.samples > 1:
                 raise UserError("--greedy gives every sample the same episode: use --samples 1")
             ckpt = resolve_checkpoint(args.model)
