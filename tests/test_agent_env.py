@@ -10,7 +10,8 @@ import pytest
 from hetrl.core.schema import SamplerInfo, SamplingParams
 from hetrl.envs.agent import AgentEnvConfig, AgentRepoEnv
 from hetrl.envs.base import ChatFormat
-from hetrl.envs.coding import CodingEnvConfig, extract_files
+from hetrl.envs.coding import extract_files
+from hetrl.envs.task_files import TaskSetError, task_splits
 from hetrl.envs.sandbox import Sandbox, SandboxLimits
 from hetrl.envs.tasks_realcode import repo_tasks
 from hetrl.orchestrator.episodes import EpisodeRunner
@@ -31,7 +32,7 @@ def sandbox():
 
 @pytest.fixture()
 def env(sandbox):
-    return AgentRepoEnv(AgentEnvConfig(max_steps=6), sandbox)
+    return AgentRepoEnv(AgentEnvConfig(max_steps=6), sandbox=sandbox)
 
 
 def test_a_scripted_agent_reads_runs_fixes_and_submits(env):
@@ -74,7 +75,7 @@ def test_a_wrong_submission_and_malformed_calls_score_less(env):
 
 
 def test_the_repository_is_scored_after_max_steps(sandbox):
-    env = AgentRepoEnv(AgentEnvConfig(max_steps=2), sandbox)
+    env = AgentRepoEnv(AgentEnvConfig(max_steps=2), sandbox=sandbox)
     env.reset(TASK)
     assert not env.step("thinking...").done
     last = env.step("".join(call("write_file", path=p, content=t) for p, t in FIXES.items()))
@@ -86,7 +87,7 @@ def test_tool_responses_enter_the_episode_with_loss_mask_false(sandbox):
     """An episode through the runner, a scripted agent as the sampler: the agent's tokens are
     trained on, every tool response (and template token around it) is not."""
     chat = ChatFormat(lambda s: [ord(c) for c in s], 1, 2)
-    runner = EpisodeRunner(chat, lambda ids: "".join(chr(i) for i in ids), lambda: AgentRepoEnv(AgentEnvConfig(), sandbox),
+    runner = EpisodeRunner(chat, lambda ids: "".join(chr(i) for i in ids), lambda: AgentRepoEnv(sandbox=sandbox),
                            max_new_tokens=4000, max_length=60000, vocab_size=1 << 16, stop_token_ids=(2,))
     script = [call("read_file", path="textstats/stats.py"),
               "".join(call("write_file", path=p, content=t) for p, t in FIXES.items()), call("submit")]
@@ -108,3 +109,30 @@ def test_tool_responses_enter_the_episode_with_loss_mask_false(sandbox):
     assert trained == "".join(s + chr(2) for s in script)
     assert untrained.count("<tool_response>") == 1 + len(FIXES) and "Wrote textstats/stats.py." in untrained
     assert "<tool_response>" not in trained and response.count("<tool_call>") == 1 + len(FIXES) + 1
+
+
+def test_an_episode_cut_short_is_scored_with_its_last_writes(env):
+    env.reset(TASK)
+    env.step(call("write_file", path="textstats/tokenize.py", content=FIXES["textstats/tokenize.py"]))
+    grade = env.grade(TASK, call("write_file", path="textstats/stats.py", content=FIXES["textstats/stats.py"])
+                      + call("run", command="python -c 1"))
+    assert grade.reward(env.config.format_weight) == 1.0 and grade.tampered is None
+
+
+def test_agentic_runs_take_repository_tasks_only(tmp_path):
+    from hetrl.config import load_config
+
+    folder = tmp_path / "repo-task"
+    for sub, files in (("repo", TASK.files), ("visible", TASK.tests), ("hidden", TASK.hidden_tests)):
+        for path, text in files.items():
+            (folder / sub / path).parent.mkdir(parents=True, exist_ok=True)
+            (folder / sub / path).write_text(text)
+    (folder / "ISSUE.md").write_text(TASK.issue)
+    splits = task_splits(str(folder), "realcode")
+    assert [t.task_id for t in splits.train] == ["repo-task"]
+    with pytest.raises(TaskSetError, match="agent plays repository tasks only; fn-run-length-encode is a "
+                                           "realcode-function task"):
+        task_splits(str(folder), "realcode", repo_only=True)
+    config = load_config("tiny_mixed.yaml", [f"environment={{name: coding, options: {{train: {folder}, "
+                                             "agent: {max_steps: 3}}}"])
+    assert config.environment.options.agent.max_steps == 3

@@ -16,6 +16,7 @@ appends to the trajectory with ``loss_mask`` False like any environment observat
 
 After ``max_steps`` turns without ``submit`` the repository is scored as it is. The reward is
 :meth:`~hetrl.envs.coding.Grade.reward` with ``format_ok`` meaning every turn's tool calls parsed.
+In a run: ``environment: {name: coding, options: {train: <repo tasks>, agent: {max_steps: 8}}}``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from hetrl.envs.base import Environment, Message, Observation, StepResult
-from hetrl.envs.coding import CodingEnv, CodingEnvConfig, RepoTask, _check_relpath, _sanitize
+from hetrl.envs.coding import CodingEnv, CodingEnvConfig, Grade, RepoTask, _check_relpath, _sanitize
 from hetrl.envs.sandbox import Sandbox
 
 __all__ = ["AgentEnvConfig", "AgentRepoEnv", "TOOLS"]
@@ -67,23 +68,25 @@ except OSError as exc:
 
 class AgentEnvConfig(BaseModel):
     """``max_steps``: assistant turns before the repository is scored as it is;
-    ``command_timeout_s``: per ``run``; ``max_observation_chars``: per tool response;
-    ``coding``: the :class:`CodingEnvConfig` of the scoring (sandbox limits, format weight)."""
+    ``command_timeout_s``: per ``run``; ``max_observation_chars``: per tool response."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     max_steps: int = Field(8, ge=1)
     command_timeout_s: float = Field(5.0, gt=0)
     max_observation_chars: int = Field(4000, ge=200)
-    coding: CodingEnvConfig = CodingEnvConfig()
 
 
 class AgentRepoEnv(Environment):
-    """One agentic episode on a :class:`RepoTask` at a time (module docstring)."""
+    """One agentic episode on a :class:`RepoTask` at a time (module docstring). ``config`` is the
+    :class:`CodingEnvConfig` of the scoring (sandbox limits, format weight; as for
+    :class:`CodingEnv`), ``agent`` the :class:`AgentEnvConfig`."""
 
-    def __init__(self, config: AgentEnvConfig | None = None, sandbox: Sandbox | None = None):
-        self.config = config or AgentEnvConfig()
-        self.coding = CodingEnv(self.config.coding, sandbox)
+    def __init__(self, agent: AgentEnvConfig | None = None, config: CodingEnvConfig | None = None,
+                 sandbox: Sandbox | None = None):
+        self.agent = agent or AgentEnvConfig()
+        self.coding = CodingEnv(config, sandbox)
+        self.config = self.coding.config
         self._task: RepoTask | None = None
         self._files: dict[str, str] = {}
         self._steps = 0
@@ -124,16 +127,27 @@ class AgentRepoEnv(Environment):
                 break
             else:
                 responses.append(self._call(name, arguments))
-        if submitted or self._steps >= self.config.max_steps:
+        if submitted or self._steps >= self.agent.max_steps:
             self._done = True
             grade = self.coding.run_repo_tests(self._task, self._files, self._format_ok, (), scoring=True)
-            return StepResult(observation=None, reward=grade.reward(self.config.coding.format_weight), done=True,
+            return StepResult(observation=None, reward=grade.reward(self.config.format_weight), done=True,
                               info={"turn": self._steps, "submitted": submitted, **grade.info()})
-        limit = self.config.max_observation_chars
+        limit = self.agent.max_observation_chars
         text = "\n".join(f"<tool_response>\n{r if len(r) <= limit else r[:limit] + '...'}\n</tool_response>"
                          for r in responses)
         return StepResult(observation=Observation(messages=(Message(role="user", content=_sanitize(text)),)),
                           reward=0.0, done=False, info={"turn": self._steps, "calls": len(calls)})
+
+    def grade(self, task: RepoTask, action_text: str) -> Grade:
+        """Score the repository with this turn's ``write_file`` calls applied (an episode cut short,
+        e.g. by the model's context length, is scored like this)."""
+        if task is not self._task:
+            raise RuntimeError("grade() scores the running episode's task")
+        for raw in _TOOL_CALL.findall(action_text):
+            name, arguments, problem = _parse(raw)
+            if not problem and name == "write_file":
+                self._call(name, arguments)
+        return self.coding.run_repo_tests(task, self._files, self._format_ok, (), scoring=True)
 
     def _call(self, name: str, arguments: dict[str, Any]) -> str:
         task = self._task
@@ -141,7 +155,7 @@ class AgentRepoEnv(Environment):
         visible = {**self._files, **task.tests}
         try:
             if name == "run":
-                spec = {"command": str(arguments["command"]), "timeout_s": self.config.command_timeout_s}
+                spec = {"command": str(arguments["command"]), "timeout_s": self.agent.command_timeout_s}
                 res = self.coding.sandbox.run(_RUN, stdin=json.dumps(spec), files=visible)
                 return res.stdout if res.killed_reason is None else f"{res.stdout}[sandbox: {res.killed_reason}]"
             path = _check_relpath(str(arguments["path"]))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from hetrl.envs.agent import AgentEnvConfig
 from hetrl.envs.coding import CodingEnvConfig
 from hetrl.envs.tasks_synthetic import SuiteConfig
 
@@ -53,8 +54,9 @@ class CodingEnvOptions(BaseModel):
     :func:`hetrl.envs.task_files.load_tasks`: ``humaneval``, ``realcode``, a HumanEval/MBPP JSONL
     file...). ``train``: the tasks trained on, in passes; ``heldout``: the evaluation tasks (None:
     ``heldout_fraction`` of ``train``'s tasks, drawn by the run's seed, are held out of training);
-    ``eval`` and ``coding`` as for ``synthetic``. Relative file paths are relative to the working
-    directory."""
+    ``eval`` and ``coding`` as for ``synthetic``; ``agent``: play the (repository) tasks through
+    tool calls (:class:`hetrl.envs.agent.AgentRepoEnv`) instead of whole-file answers. Relative
+    file paths are relative to the working directory."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -63,3 +65,4 @@ class CodingEnvOptions(BaseModel):
     heldout_fraction: float = Field(0.1, gt=0, lt=1)
     eval: EvalOptions = EvalOptions()
     coding: CodingEnvConfig = CodingEnvConfig()
+    agent: AgentEnvConfig | None = None

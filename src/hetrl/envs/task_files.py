@@ -275,14 +275,21 @@ class TaskSplits:
         return self.train
 
 
-def task_splits(train: str, heldout: str | None = None, heldout_fraction: float = 0.1, seed: int = 0) -> TaskSplits:
+def task_splits(train: str, heldout: str | None = None, heldout_fraction: float = 0.1, seed: int = 0, *,
+                repo_only: bool = False) -> TaskSplits:
     """The splits of ``environment.options`` of ``name: coding``: ``train``'s tasks and
     ``heldout``'s, or (``heldout`` None) ``round(heldout_fraction * n)`` (at least one) of
     ``train``'s ``n`` tasks drawn by ``seed`` held out and the rest trained on, both in file order.
-    :class:`TaskSetError` when a task id is in both, or nothing is left to train on."""
+    :class:`TaskSetError` when a task id is in both, nothing is left to train on, or (``repo_only``:
+    agentic episodes) a task is not a repository task."""
     tasks = load_tasks(train)
+    held = load_tasks(heldout) if heldout is not None else ()
+    if repo_only:
+        other = next((t for t in tasks + held if not isinstance(t, RepoTask)), None)
+        if other is not None:
+            raise TaskSetError(f"environment.options.agent plays repository tasks only; {other.task_id} is a "
+                               f"{other.family} task")
     if heldout is not None:
-        held = load_tasks(heldout)
         both = sorted({t.task_id for t in tasks} & {t.task_id for t in held})
         if both:
             raise TaskSetError(f"{len(both)} task ids are both in train ({train}) and held out ({heldout}), "

@@ -108,6 +108,7 @@ from hetrl.core.admission import RolloutGate
 from hetrl.core.buffer import RolloutBuffer, RolloutGroup
 from hetrl.core.schema import SamplingParams, collate
 from hetrl.envs.base import ChatFormat, Task
+from hetrl.envs.agent import AgentRepoEnv
 from hetrl.envs.coding import CodingEnv
 from hetrl.envs.options import CodingEnvOptions, EvalOptions, SyntheticEnvOptions
 from hetrl.envs.sandbox import DEFAULT_HIDDEN, Sandbox
@@ -287,16 +288,19 @@ class AsyncOrchestrator(abc.ABC):
         coding = self.options.coding
         if isinstance(self.options, CodingEnvOptions):  # task sets from files; their data hidden from the sandbox
             sources = [s for s in (self.options.train, self.options.heldout) if s is not None]
-            suite = task_splits(self.options.train, self.options.heldout, self.options.heldout_fraction, cfg.seed)
+            suite = task_splits(self.options.train, self.options.heldout, self.options.heldout_fraction, cfg.seed,
+                                repo_only=self.options.agent is not None)
             hidden = tuple(p for s in sources for p in hidden_paths(s))
+            agent = self.options.agent
         else:
             suite = synthetic_suite(self.options.suite or (cfg.model.warmstart.suite if cfg.model.warmstart
                                                            else SuiteConfig(seed=cfg.seed)))
-            hidden = ()
+            hidden, agent = (), None
         sandbox = Sandbox(coding.limits, require=coding.require_isolation, hidden=DEFAULT_HIDDEN + hidden)
         self.runner = EpisodeRunner(
             self.chat, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-            lambda: CodingEnv(coding, sandbox), max_new_tokens=cfg.async_.max_new_tokens,
+            (lambda: AgentRepoEnv(agent, coding, sandbox)) if agent else (lambda: CodingEnv(coding, sandbox)),
+            max_new_tokens=cfg.async_.max_new_tokens,
             max_length=self.model_config.max_position_embeddings, vocab_size=self.model_config.vocab_size,
             stop_token_ids=stops,
         )
