@@ -518,6 +518,22 @@ def test_an_always_equal_value_does_not_pass_assert_equal(env):
     assert env.grade(task, reference_files).reward(0.1) == 1.0  # a dict subclass (kvconf's Config) still passes
 
 
+def test_assert_equal_still_compares_library_types_with_plain_values(env):
+    """The guard concerns the candidate's classes: the standard library's Fraction and Decimal
+    compare with plain numbers as unittest always did (and a candidate's class still cannot)."""
+    from hetrl.envs.coding import RepoTask
+
+    test = ("import unittest\nfrom decimal import Decimal\nfrom fractions import Fraction\nfrom pkg.half import half\n\n"
+            "class T(unittest.TestCase):\n    def test_half(self):\n        self.assertEqual(half(1), 0.5)\n"
+            "        self.assertEqual(Fraction(1, 2), 0.5)\n        self.assertEqual(Decimal('0.5'), 0.5)\n")
+    task = RepoTask(task_id="repo-half", family="t", issue="Halve it.", files={"pkg/__init__.py": "", "pkg/half.py": ""},
+                    tests={"tests/test_half.py": test})
+    right = "```python pkg/half.py\nfrom fractions import Fraction\n\ndef half(x):\n    return Fraction(x, 2)\n```"
+    assert env.grade(task, right).reward(0.1) == 1.0
+    wrong = f"```python pkg/half.py\n{_ALWAYS_EQUAL}\ndef half(x):\n    return Anything()\n```"
+    assert env.grade(task, wrong).scored_fraction == 0.0
+
+
 def test_feedback_never_carries_hidden_test_content(env):
     """The turns' feedback comes from a run without the hidden test files: an answer that raises
     with every test source it can find in its process quotes only the visible ones."""
