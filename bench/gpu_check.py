@@ -1,4 +1,4 @@
-"""GPU check: both trainers' steps on CUDA (tokens/s, MFU vs measured bf16 peak), log-prob parity, HF round trip, embedded sampler.
+"""GPU check: JAX and Megatron steps on CUDA (tokens/s, MFU), log-prob parity, HF round trip, embedded sampler.
 
 The Python half of the GPU check kit ``bench/gpu_check.sh`` (which installs the wheels a GPU
 machine lacks and runs this script under a log; see its header for the one command a GPU session
