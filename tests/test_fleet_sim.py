@@ -140,3 +140,57 @@ def test_cluster_scale_runs_quickly():
     r = simulate(config(pools=pools, batch_groups=256, steps=5))
     assert sum(p["replicas"] for p in r["pools"]) == 300 and r["steps"] == 5
     assert not math.isnan(r["usd_per_mtok"])
+
+
+# ---------------------------------------------------------------------- plan and the command line
+from hetrl.cli import main  # noqa: E402
+from hetrl.fleet_sim.plan import PlanConfig, plan  # noqa: E402
+
+
+def plan_config(target: float, **kw) -> PlanConfig:
+    return PlanConfig.model_validate({
+        "model": {"params_b": 8}, "trainer": {"accelerator": "b200", "count": 8}, "max_batch": 32,
+        "workload": {"batch_groups": 16, "steps": 6, "group_size": 4, "response_tokens": 512.0},
+        "target_tokens_per_s": target,
+        "capacity": [{"name": "nv", "accelerator": "b200", "weight_precision": "nvfp4", "max_replicas": 4},
+                     {"name": "h", "accelerator": "h100", "price": "spot", "max_replicas": 6},
+                     {"name": "l", "accelerator": "l40s", "max_replicas": 8}], **kw})
+
+
+def test_plan_picks_the_cheapest_fleet_that_meets_the_target_within_budgets():
+    cfg = plan_config(8000.0, max_masked_fraction=0.05)
+    out = plan(cfg)
+    assert "nv" in out["excluded"] and "masked fraction" in out["excluded"]["nv"]
+    best = out["best"]
+    assert best is not None and best["tokens_per_s"] >= 8000.0
+    assert "nv" not in {p["name"] for p in best["pools"]}
+    assert best["usd_per_useful_mtok"] == min(c["usd_per_useful_mtok"] for c in out["candidates"] if c["tokens_per_s"] >= 8000)
+    # the fewest replicas: one fewer of the fleet's pool misses the target
+    if len(best["pools"]) == 1:
+        p = best["pools"][0]
+        fewer = simulate(cfg.fleet({p["name"]: p["replicas"] - 1}, "fewer")) if p["replicas"] > 1 else None
+        assert fewer is None or fewer["tokens_per_s"] < 8000.0
+
+
+def test_plan_reports_a_target_beyond_the_trainer():
+    out = plan(plan_config(1e9))
+    assert out["best"] is None and out["trainer_cap_tokens_per_s"] < 1e9
+
+
+def test_fleet_commands(tmp_path, capsys):
+    sim = tmp_path / "sim.yaml"
+    sim.write_text(config(steps=4).model_dump_json())  # JSON is YAML
+    assert main(["fleet", "simulate", str(sim), "--out", str(tmp_path / "o")]) == 0
+    assert (tmp_path / "o" / "t.json").exists() and (tmp_path / "o" / "t.png").exists()
+    assert "trained tok/s" in capsys.readouterr().out
+    sim.write_text("model: {params_b: -1}\npools: []\n")
+    assert main(["fleet", "simulate", str(sim)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("hetrl fleet simulate:") and "\n" not in err
+    pl = tmp_path / "plan.yaml"
+    pl.write_text(plan_config(8000.0).model_dump_json())
+    assert main(["fleet", "plan", str(pl), "--out", str(tmp_path / "p")]) == 0
+    assert "recommended:" in capsys.readouterr().out
+    pl.write_text(plan_config(1e9).model_dump_json())
+    assert main(["fleet", "plan", str(pl), "--out", str(tmp_path / "p")]) == 3
+    assert "the trainer caps throughput" in capsys.readouterr().out
