@@ -14,31 +14,51 @@ from test_fleet import FakeSampler, pool, requests, to_rollout
 from hetrl.core.buffer import RolloutBuffer, RolloutGroup
 from hetrl.samplers.base import Sampler
 from hetrl.samplers.fleet import Fleet, FleetConfig
-from hetrl.samplers.pacing import Paced, pacing_factor
+from hetrl.samplers.pacing import Paced, ReferenceRate
 from hetrl.samplers.profiles import CATALOGUE
 
 FAST = pool("fast", "b200", "nvfp4")   # 2.4 x 2.2 = 5.28 x H100
 SLOW = pool("slow", "a100", "bf16")    # 0.61 x H100: paced 8.66x slower than FAST
 
 
-def test_paced_call_lasts_factor_times_its_cpu_time():
-    clock = iter([10.0, 10.5])  # the inner call takes 0.5 s
-    slept = []
-    paced = Paced(FakeSampler(SLOW), 3.0, clock=lambda: next(clock), sleep=slept.append)
-    out = paced.generate(requests("j", 2))
+def _clock(*times):
+    it = iter(times)
+    return lambda: next(it)
+
+
+def test_a_paced_call_lasts_its_tokens_at_the_reference_rate_times_its_ratio():
+    rate, slept = ReferenceRate(), []
+    ref = Paced(FakeSampler(FAST), 1.0, rate, clock=_clock(0.0, 9.0, 10.0, 10.5), sleep=slept.append)
+    ref.generate(requests("a", 2))  # first call (compiles): not recorded
+    assert rate.tokens_per_s() is None
+    ref.generate(requests("b", 2))  # 2 requests x 3 tokens in 0.5 s
+    assert rate.tokens_per_s() == pytest.approx(12.0) and slept == []  # the reference is never held
+    slow = Paced(FakeSampler(SLOW), 0.25, rate, clock=_clock(20.0, 20.5), sleep=slept.append)
+    out = slow.generate(requests("j", 2))
     assert [g.request_id for g in out] == ["j/0", "j/1"]
-    assert slept == [pytest.approx(1.0)]  # held until 3 x 0.5 s after the call began
-    assert isinstance(paced, Sampler)
-    with pytest.raises(ValueError, match="must be >= 1"):
-        Paced(FakeSampler(SLOW), 0.5)
+    assert slept == [pytest.approx(6 / (12.0 * 0.25) - 0.5)]  # held until 2 s after the call began
+    slow._clock = _clock(30.0, 35.0)  # already slower than modelled (a compile): not held
+    slow.generate(requests("k", 2))
+    assert len(slept) == 1
+    assert isinstance(slow, Sampler)
+    with pytest.raises(ValueError, match=r"must be in \(0, 1\]"):
+        Paced(FakeSampler(SLOW), 2.0, rate)
 
 
-def test_pacing_factor_is_the_throughput_ratio_to_the_fastest_pool():
+def test_before_the_reference_rate_is_known_a_call_lasts_its_time_over_its_ratio():
+    slept = []
+    slow = Paced(FakeSampler(SLOW), 0.25, ReferenceRate(), clock=_clock(0.0, 0.5), sleep=slept.append)
+    slow.generate(requests("j"))
+    assert slept == [pytest.approx(0.5 / 0.25 - 0.5)]
+
+
+def test_pacing_ratio_is_the_throughput_ratio_to_the_fastest_pool():
     fleet = Fleet.from_config(FleetConfig(pools=[FAST, SLOW], pacing="modelled"), lambda p, n, i: FakeSampler(p))
     fast, slow = fleet.replicas
-    assert not isinstance(fast.sampler, Paced) or fast.sampler.factor == 1.0
-    assert slow.sampler.factor == pytest.approx(fast.capacity / slow.capacity)
-    assert slow.sampler.factor == pytest.approx(pacing_factor(0.61, 2.4 * 2.2))
+    assert fast.sampler.is_reference and not slow.sampler.is_reference
+    assert slow.sampler.ratio == pytest.approx(slow.capacity / fast.capacity)
+    assert slow.sampler.ratio == pytest.approx(0.61 / (2.4 * 2.2))
+    assert fast.sampler.rate is slow.sampler.rate  # one measured reference rate per fleet
     off = Fleet.from_config(FleetConfig(pools=[FAST, SLOW]), lambda p, n, i: FakeSampler(p))
     assert not any(isinstance(r.sampler, Paced) for r in off.replicas)
 
@@ -48,7 +68,7 @@ def test_a_revived_replica_is_paced_too():
     slow = fleet.replicas[1]
     fleet._fail(slow)
     assert fleet.revive(slow, FakeSampler(SLOW))
-    assert isinstance(slow.sampler, Paced) and slow.sampler.factor > 8
+    assert isinstance(slow.sampler, Paced) and slow.sampler.ratio < 1 / 8
 
 
 def test_paced_slow_pool_serves_in_proportion_to_its_modelled_speed():

@@ -131,6 +131,7 @@ class _Sim:
         self.training: list[_Group] | None = None
         self.steps_done = 0
         self.trainer_busy_s = 0.0
+        self.step_log: list[tuple[float, int]] = []  # per step: (publication time, trained tokens)
         self.by_id: dict[str, float] = {}  # group id -> submission time, while in the system
         for i, r in enumerate(self.reps):
             self._schedule_preemption(i)
@@ -274,11 +275,13 @@ class _Sim:
         step = self.cfg.trainer.step_time(self.cfg.model, step_tokens)
         self.trainer_busy_s += step
         self.training = batch
+        self._step_tokens = sum(g.tokens for g in batch)
         self._at(self.now + step, "step")
 
     def _step_done(self) -> None:
         self.outstanding -= len(self.training or [])
         self.training = None
+        self.step_log.append((self.now, self._step_tokens))
         self.version += 1
         self.steps_done += 1
 

@@ -16,6 +16,7 @@
   the departure rate and the mean time in the system, whose product matches the first up to the
   groups still in the system at the end (Little's law); exactly, ``mean_in_system · wall_s =
   departed · mean_time_in_system_s + residual_time_s`` (the time so far of those still in);
+* ``steps_log``: per step, the simulated time its weights were published and its trained tokens;
 * ``pools``: per pool the replicas, generated / lost / trained tokens, trained groups, mean and
   max staleness of trained groups, dropped groups, preemptions, busy and rented seconds, idle
   fraction, rented cost and masked fraction.
@@ -85,6 +86,7 @@ def summarize(sim: "_Sim") -> dict[str, Any]:
                    "mean_time_in_system_s": sim.sojourn / sim.departed if sim.departed else float("nan"),
                    "in_system_at_end": sim.in_system,
                    "residual_time_s": sum(wall - t for t in sim.by_id.values())},
+        "steps_log": [{"wall_s": t, "trained_tokens": n} for t, n in sim.step_log],
         "pools": pools,
     }
 

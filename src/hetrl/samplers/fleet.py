@@ -52,9 +52,9 @@ with ``price_per_hour`` the pool's on-demand or spot price (``PoolConfig.price``
 ``quarantined`` (0 or 1); fleet totals under ``fleet/``.
 
 **Pacing** (``FleetConfig.pacing: modelled``): every replica's ``generate`` calls are slowed
-to its profile's modelled throughput relative to the fleet's fastest pool, which runs at CPU
-speed (:class:`hetrl.samplers.pacing.Paced`), so per-pool speed, queueing and staleness follow
-the catalogue on an all-CPU embedded fleet.
+to its profile's modelled decode rate relative to the fleet's fastest pool, which runs at CPU
+speed and whose measured rate is shared (:mod:`hetrl.samplers.pacing`), so per-pool speed,
+queueing and staleness follow the catalogue on an all-CPU embedded fleet.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInf
 from hetrl.core.admission import QuarantineConfig
 from hetrl.samplers.base import Generation, GenerationRequest, Sampler
 from hetrl.samplers.faults import ChaosConfig
-from hetrl.samplers.pacing import Paced, pacing_factor
+from hetrl.samplers.pacing import Paced, ReferenceRate
 from hetrl.samplers.profiles import CATALOGUE, PriceMode, SamplerNumerics, get_profile
 
 __all__ = ["Engine", "Endpoint", "ServerOptions", "is_loopback_host", "PoolConfig", "RestartPolicy", "FleetConfig", "Replica", "JobResult", "Fleet",
@@ -297,7 +297,7 @@ class FleetConfig(BaseModel):
     accelerator would take, for embedded pools that all run on the same CPU.
 
     ``pacing``: ``off`` (every embedded replica runs at CPU speed) or ``modelled`` (each
-    replica's calls are slowed to its modelled throughput relative to the fastest pool, which
+    replica's calls are slowed to its modelled decode rate relative to the fastest pool, which
     runs at CPU speed: :mod:`hetrl.samplers.pacing`).
 
     ``quarantine``: when a pool returning too many rejected rollouts is taken out of routing.
@@ -413,7 +413,7 @@ class Fleet:
                 raise ValueError(f"two different pool configs are named {pool.name!r}")
             self.numerics[pool.name] = pool.numerics()
         top = max(n.relative_throughput() for n in self.numerics.values())
-        self.pacing, self._top_capacity = pacing, top
+        self.pacing, self._top_capacity, self._reference_rate = pacing, top, ReferenceRate()
         self.replicas: list[Replica] = []
         counts: dict[str, int] = {}
         for pool, sampler in replicas:
@@ -447,7 +447,7 @@ class Fleet:
         pools only: a server pool already runs at its hardware's speed), else itself."""
         if self.pacing != "modelled" or pool.engine != "embedded":
             return sampler
-        return Paced(sampler, pacing_factor(self.numerics[pool.name].relative_throughput(), self._top_capacity))
+        return Paced(sampler, self.numerics[pool.name].relative_throughput() / self._top_capacity, self._reference_rate)
 
     # ------------------------------------------------------------------ submitting and weights
     def submit(self, job_id: str, requests: Sequence[GenerationRequest], replica: str | None = None) -> None:
