@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from hetrl.errors import UserError
 from hetrl.samplers.profiles import CATALOGUE, PriceMode, SamplerNumerics, get_profile, sampler_numerics
 
-__all__ = ["PEAK_BF16_TFLOPS", "WEIGHT_MASKED", "KV_MASKED", "masked_fraction", "ModelSpec", "TrainerSpec",
+__all__ = ["PEAK_BF16_TFLOPS", "WEIGHT_MASKED", "KV_MASKED", "reference_tps", "masked_fraction", "ModelSpec", "TrainerSpec",
            "WorkloadSpec", "SimPool", "SimConfig", "load_sim_config"]
 
 #: Dense bf16 tensor-core / MXU peak, TFLOP/s per accelerator (vendor datasheets, without sparsity).
@@ -63,6 +63,12 @@ KV_MASKED: dict[str, float] = {
 }
 
 _H100_BYTES_PER_S = 3.35e12
+
+
+def reference_tps(model: "ModelSpec", max_batch: int, override: float | None = None) -> float:
+    """Decode tokens/s of one H100 in bf16 for ``model``: ``override``, else memory-bound decode
+    of ``max_batch`` sequences per weight read at 50% of 3.35 TB/s (see the module docstring)."""
+    return override if override is not None else 0.5 * _H100_BYTES_PER_S * max_batch / (2.0 * model.params)
 
 
 def masked_fraction(weight_format: str, kv_format: str) -> float:
@@ -218,10 +224,8 @@ class SimConfig(_Strict):
         return pools
 
     def reference_tps(self) -> float:
-        """Decode tokens/s of one H100 in bf16 (see the module docstring)."""
-        if self.reference_tokens_per_s is not None:
-            return self.reference_tokens_per_s
-        return 0.5 * _H100_BYTES_PER_S * self.max_batch / (2.0 * self.model.params)
+        """Decode tokens/s of one H100 in bf16 (:func:`reference_tps`)."""
+        return reference_tps(self.model, self.max_batch, self.reference_tokens_per_s)
 
 
 def load_sim_config(path: str | Path) -> SimConfig:

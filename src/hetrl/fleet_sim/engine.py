@@ -105,7 +105,8 @@ class _Sim:
     def __init__(self, cfg: SimConfig):
         self.cfg, self.w = cfg, cfg.workload
         self.rng = np.random.default_rng(cfg.seed)
-        self.pools = [p for p in cfg.pools]
+        self.pools = list(cfg.pools)
+        self._pool_index = {p.name: i for i, p in enumerate(self.pools)}
         ref = cfg.reference_tps()
         caps = [p.capacity() for p in self.pools]
         top = max(c for c, p in zip(caps, self.pools) if p.replicas)
@@ -133,7 +134,7 @@ class _Sim:
         self.trainer_busy_s = 0.0
         self.step_log: list[tuple[float, int]] = []  # per step: (publication time, trained tokens)
         self.by_id: dict[str, float] = {}  # group id -> submission time, while in the system
-        for i, r in enumerate(self.reps):
+        for i in range(len(self.reps)):
             self._schedule_preemption(i)
 
     # ------------------------------------------------------------------ events
@@ -287,7 +288,6 @@ class _Sim:
 
     # ------------------------------------------------------------------ run
     def run(self, max_events: int = 50_000_000) -> dict[str, Any]:
-        self._pool_index = {p.name: i for i, p in enumerate(self.pools)}
         self._top_up()
         self._dispatch()
         self._start_idle()

@@ -29,7 +29,7 @@ import yaml
 from pydantic import Field, ValidationError
 
 from hetrl.errors import UserError
-from hetrl.fleet_sim.config import ModelSpec, SimConfig, SimPool, TrainerSpec, WorkloadSpec, _Strict
+from hetrl.fleet_sim.config import ModelSpec, SimConfig, SimPool, TrainerSpec, WorkloadSpec, _Strict, reference_tps
 from hetrl.fleet_sim.engine import simulate
 
 __all__ = ["CapacityPool", "PlanConfig", "load_plan_config", "plan"]
@@ -124,8 +124,7 @@ def plan(cfg: PlanConfig) -> dict[str, Any]:
         r = _fewest(cfg, {}, p, f"only-{p.name}")
         if r is not None:
             out["candidates"].append(r)
-    ref = SimConfig(name="ref", model=cfg.model, pools=(SimPool(name="x", accelerator="h100"),),
-                    max_batch=cfg.max_batch, reference_tokens_per_s=cfg.reference_tokens_per_s).reference_tps()
+    ref = reference_tps(cfg.model, cfg.max_batch, cfg.reference_tokens_per_s)
     order = sorted(usable, key=lambda p: p.price_per_s() / (p.capacity() * ref))
     base: dict[str, int] = {}
     for p in order:
