@@ -9,7 +9,10 @@ The simulated loop is the orchestrator's (:mod:`hetrl.orchestrator.loop`), with 
 * **Routing** is the fleet's rule (:mod:`hetrl.samplers.fleet`): jobs (one group of
   ``group_size`` requests) wait in a FIFO queue and go, in order, to the alive replica of least
   ``(load + n) / capacity`` (ties: the faster, then the first), where a replica holds at most
-  ``slots = max(1, round(max_batch · capacity / max capacity))`` requests unless idle.
+  ``slots = max(1, round(max_batch · capacity / max capacity))`` requests unless idle. The rule
+  is restated here, not imported: the fleet applies it inside its lock-guarded, threaded state
+  (:meth:`hetrl.samplers.fleet.Fleet.submit`), and ``bench/fleet_sim_validation.py`` checks the
+  two against each other through the per-pool figures of paced runs.
 * **Serving.** An idle replica with work takes its assigned jobs (up to ``max_batch``
   requests), loads the newest weights if its are older (sync time), and generates them in
   ``tokens / tokens-per-s``; all its groups carry the weight version it loaded.
