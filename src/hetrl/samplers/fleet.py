@@ -49,7 +49,10 @@ since the fleet was built, idle, dead or quarantined included, until :meth:`Flee
 with ``price_per_hour`` the pool's on-demand or spot price (``PoolConfig.price``);
 ``trained_tokens`` (:meth:`Fleet.record_trained`), ``cost/usd_per_trained_token`` and
 ``cost/rented_usd_per_trained_token``, ``idle_fraction`` (``1 - busy_s / rented_s``),
-``quarantined`` (0 or 1); fleet totals under ``fleet/``.
+``quarantined`` (0 or 1); fleet totals under ``fleet/``. Rented time is wall time, so it and
+``idle_fraction`` compare with busy time on the ``wall`` cost clock (real accelerators, or
+embedded pools under ``pacing: modelled``); on the ``modelled`` clock busy time is accelerator
+time and rented time this machine's.
 
 **Pacing** (``FleetConfig.pacing: modelled``): every replica's ``generate`` calls are slowed
 to its profile's modelled decode rate relative to the fleet's fastest pool, which runs at CPU
