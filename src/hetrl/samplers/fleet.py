@@ -693,8 +693,10 @@ class Fleet:
                   "replicas_alive": 0.0, "restarts": 0.0, "trained_tokens": 0.0, "cost/usd": 0.0, "quarantined": 0.0,
                   "rented_s": 0.0, "cost/rented_usd": 0.0}
         costs = {name: self.cost_usd(name) for name in self.pools}
-        rented_costs = {name: self.rented_cost_usd(name) for name in self.pools}
         with self._cond:
+            rented = {r.key: self.rented_s(r) for r in self.replicas}  # one reading of the clock
+            rented_costs = {name: self._price_per_second(name) * sum(rented[r.key] for r in self.replicas
+                                                                     if r.pool.name == name) for name in self.pools}
             for name, s in self._stats.items():
                 reps = [r for r in self.replicas if r.pool.name == name]
                 row = {"requests": s.requests, "jobs": s.jobs, "tokens": s.tokens, "errors": s.errors,
@@ -702,7 +704,7 @@ class Fleet:
                        "replicas_alive": sum(r.alive for r in reps), "restarts": sum(r.restarts for r in reps),
                        "trained_tokens": s.trained_tokens,
                        "cost/usd": costs[name], "quarantined": name in self.quarantined,
-                       "rented_s": sum(self.rented_s(r) for r in reps), "cost/rented_usd": rented_costs[name]}
+                       "rented_s": sum(rented[r.key] for r in reps), "cost/rented_usd": rented_costs[name]}
                 for k, v in row.items():
                     out[f"pool/{name}/{k}"] = float(v)
                     totals[k] += float(v)
