@@ -164,12 +164,19 @@ def test_plan_picks_the_cheapest_fleet_that_meets_the_target_within_budgets():
     best = out["best"]
     assert best is not None and best["tokens_per_s"] >= 8000.0
     assert "nv" not in {p["name"] for p in best["pools"]}
+    shell = cfg.model_dump(include={"seed", "model", "trainer", "workload", "max_batch", "reference_tokens_per_s"})
+    again = simulate(SimConfig.model_validate({**shell, "name": best["name"], "pools": best["pools_config"]}))
+    assert again == best_without_config(best)  # the printed pools reproduce the recommendation
     assert best["usd_per_useful_mtok"] == min(c["usd_per_useful_mtok"] for c in out["candidates"] if c["tokens_per_s"] >= 8000)
     # the fewest replicas: one fewer of the fleet's pool misses the target
     if len(best["pools"]) == 1:
         p = best["pools"][0]
         fewer = simulate(cfg.fleet({p["name"]: p["replicas"] - 1}, "fewer")) if p["replicas"] > 1 else None
         assert fewer is None or fewer["tokens_per_s"] < 8000.0
+
+
+def best_without_config(report):
+    return {k: v for k, v in report.items() if k != "pools_config"}
 
 
 def test_plan_reports_a_target_beyond_the_trainer():

@@ -74,11 +74,9 @@ def _plan(args: argparse.Namespace) -> int:
                if cap < cfg.target_tokens_per_s else "no candidate fleet within the capacity and budgets reaches it")
         print(f"no fleet reaches {cfg.target_tokens_per_s:.0f} trained tok/s: {why}")
         return 3
-    pools = [{"name": p["name"], "accelerator": p["accelerator"], "weight_precision": p["weight_precision"],
-              "kv_precision": p["kv_precision"], "replicas": p["replicas"], "price": p["price"]} for p in best["pools"]]
     print(f"recommended: {best['name']}: {best['tokens_per_s']:.0f} trained tok/s, "
           f"${best['usd_per_useful_mtok']:.3f} per useful Mtok (${best['usd_per_mtok']:.3f}/Mtok), "
           f"dropped {best['dropped_fraction']:.1%}, idle {best['idle_fraction']:.1%}")
-    print(yaml.safe_dump({"pools": pools}, sort_keys=False).rstrip())
+    print(yaml.safe_dump({"pools": best["pools_config"]}, sort_keys=False).rstrip())
     print(f"wrote {args.out / (cfg.name + '.json')} and .png")
     return 0

@@ -109,7 +109,8 @@ def _fewest(cfg: PlanConfig, base: dict[str, int], pool: CapacityPool, name: str
 def plan(cfg: PlanConfig) -> dict[str, Any]:
     """Search the candidate fleets (see the module docstring). Returns ``{"best": report or
     None, "candidates": [report, ...], "excluded": {pool: reason}, "trainer_cap_tokens_per_s",
-    "target_tokens_per_s"}``; each report is :func:`hetrl.fleet_sim.report.summarize`'s."""
+    "target_tokens_per_s"}``; each report is :func:`hetrl.fleet_sim.report.summarize`'s, with
+    ``pools_config``: its pools as a simulator config lists them."""
     w = cfg.workload
     step_tokens = w.batch_groups * w.group_size * (w.prompt_tokens + w.response_tokens)
     trainer_cap = w.batch_groups * w.group_size * w.response_tokens / cfg.trainer.step_time(cfg.model, step_tokens)
@@ -134,6 +135,9 @@ def plan(cfg: PlanConfig) -> dict[str, Any]:
                 out["candidates"].append(r)
             break
         base[p.name] = p.max_replicas
+    for r in out["candidates"]:  # each candidate as the pools of a simulator config, to reproduce it
+        fleet = cfg.fleet({p["name"]: p["replicas"] for p in r["pools"]}, r["name"])
+        r["pools_config"] = [p.model_dump(exclude_defaults=True) for p in fleet.pools]
     ok = [r for r in out["candidates"] if _meets(r, cfg)]
     out["best"] = min(ok, key=lambda r: r["usd_per_useful_mtok"]) if ok else None
     return out
