@@ -1,4 +1,4 @@
-"""The ``hetrl`` command line: ``hetrl train|warmstart|parity|experiment|bench|fleet`` (DESIGN §1).
+"""The ``hetrl`` command line: ``hetrl train|warmstart|eval|parity|experiment|bench|fleet`` (DESIGN §1).
 
 ``hetrl train CONFIG [--set KEY=VALUE]... [--trainer jax|megatron] [--backend local|ray] [--resume]
 [--dry-run]`` loads and validates the run config (:mod:`hetrl.config`); with ``--dry-run`` it
@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "warmstart": ("hetrl.warmstart.command", "train the tiny policy from scratch on solved tasks (the RL starting point)"),
     "parity": ("hetrl.parity", "cross-backend numerical parity on one checkpoint (log-probs, loss, AdamW update)"),
     "experiment": ("hetrl.experiment.command", "run an experiment grid (arms x seeds) and write its report"),
+    "eval": ("hetrl.eval_command", "evaluate a checkpoint on a task set: pass@k, per-task results (--tasks humaneval|FILE|...)"),
     "bench": ("hetrl.bench_command", "run a benchmark of the repository's bench/ (--list names them; NAME --quick)"),
     "fleet": ("hetrl.fleet_sim.command", "simulate a fleet at cluster scale, or plan the cheapest one for a target"),
 }
