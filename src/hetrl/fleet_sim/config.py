@@ -49,7 +49,8 @@ PEAK_BF16_TFLOPS: dict[str, float] = {
 
 #: Masked fraction (``mismatch/masked_frac/any`` under the ``hetrl`` correction preset) by weight
 #: format, measured on the tiny Qwen3 of the default experiment grid (docs/results/default:
-#: bf16 pools 0.0007-0.0022, fp8 pools 0.0023-0.0097, int8 0-0.0052, b200-nvfp4 0.077-0.080).
+#: bf16 pools 0.0007-0.0022, fp8 pools 0.0023-0.0097, int8 0-0.0052, b200-nvfp4 0.077-0.080),
+#: weights-only quantization (measured before pools quantized activations too).
 WEIGHT_MASKED: dict[str, float] = {
     "fp32": 0.0, "bf16": 0.0015, "fp16": 0.0015, "fp8_e4m3": 0.007, "fp8_e4m3_block": 0.007,
     "fp8_e4m3fnuz": 0.007, "int8": 0.0026, "nvfp4": 0.078, "mxfp4": 0.078,
