@@ -128,6 +128,7 @@ class StepRecorder:
             **fm, **self.buffer.metrics(), **{k: v for source in self.sources for k, v in source().items()},
             **{f"rollout/{k}": float(v) for k, v in counts.items()},
             "rollout/solved": float(np.mean([r.timings.get("solved", 0.0) for r in rollouts])),
+            "rollout/tampered": float(np.mean([r.timings.get("tampered", 0.0) for r in rollouts])),
         }
         self._last_time, self._last_tokens = now, gen_tokens
         figures, counters = self.fleet.pool_figures(), self.buffer.counters()
