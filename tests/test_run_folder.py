@@ -79,7 +79,7 @@ def test_resume_with_nothing_to_resume_says_so(tmp_path, capsys, held):
 @pytest.mark.parametrize("argv, key", [
     (["--trainer", "megatron"], "trainer.kind"),
     (["--set", "fleet.pools=[{name: h100-fp8, accelerator: h100, weight_precision: fp8_e4m3}]"], "fleet.pools"),
-    (["--set", "model={tiny: qwen2}"], "model"),
+    (["--set", "model={tiny: qwen2}"], "model.tiny"),
 ])
 def test_resume_with_the_other_trainer_or_fleet_is_refused_by_name(tmp_path, capsys, argv, key):
     _fake_run(tmp_path)
@@ -97,6 +97,16 @@ def test_resume_with_a_changed_learning_rate_warns_and_goes_on(tmp_path, caplog)
     (warning,) = [r.getMessage() for r in caplog.records]
     assert "trainer.optimizer.learning_rate 5e-05 -> 0.001" in warning and "steps 60 -> 9" in warning
     assert "logging" not in warning  # how a run is shown changes nothing it trains
+
+
+def test_resume_with_another_model_cache_warns_and_goes_on(tmp_path, caplog):
+    """The cache says where a built model is kept, not which model: a resume may move it."""
+    _fake_run(tmp_path, f"model.cache_dir={tmp_path / 'cache-a'}")
+    config = _tiny(tmp_path, "checkpointing.resume=true", f"model.cache_dir={tmp_path / 'cache-b'}")
+    with caplog.at_level(logging.WARNING):
+        RunFolder(tmp_path).check_start(config)  # not refused
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert f"model.cache_dir {str(tmp_path / 'cache-a')!r} -> {str(tmp_path / 'cache-b')!r}" in warning
 
 
 def test_compare_configs_names_the_fixed_prefix_once():
