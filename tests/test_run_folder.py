@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from hetrl.cli import main
-from hetrl.config import CONFIG_DIR, load_config
+from hetrl.config import CONFIG_DIR, ConfigError, load_config
 from hetrl.orchestrator.run_folder import RunFolder, compare_configs
 
 REPO = CONFIG_DIR.parent
@@ -124,6 +124,37 @@ def test_a_missing_model_path_is_one_line_naming_it_and_the_fix(tmp_path, capsys
     code, err = _train(capsys, tmp_path / "run", "--set", f"model={{path: {missing}}}")
     assert code == 1 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert f"model.path: {missing} does not exist" in err and "HF checkpoint directory" in err
+
+
+@pytest.mark.parametrize("override, key, where", [
+    ("logging.jsonl_path=runs/a/metrics.jsonl", "logging.jsonl_path", "metrics.jsonl"),
+    ("logging={tensorboard_dir: runs/a/tb}", "logging.tensorboard_dir", "tensorboard/"),
+    ("checkpointing={directory: runs/a/ckpt, every: 1}", "checkpointing.directory", "checkpoints/"),
+])
+def test_a_removed_output_path_is_refused_naming_output_dir(tmp_path, capsys, override, key, where):
+    """The output paths a config once set live in the run folder now; the refusal says so and
+    names the --set that gave one (and the key, when the override set a whole section)."""
+    code, err = _train(capsys, tmp_path, "--set", override)
+    assert code == 1 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    prefix = f"--set {override}: " + ("" if override.startswith(key + "=") else f"{key}: ")
+    assert err.startswith(f"hetrl train: {prefix}every output of a run lives under output_dir")
+    assert f"<output_dir>/{where}" in err and "set output_dir instead" in err
+    data = yaml.safe_load((CONFIG_DIR / "tiny_homogeneous.yaml").read_text())
+    data.setdefault(key.split(".")[0], {})[key.split(".")[1]] = "somewhere"
+    (tmp_path / "old.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match=rf"\n  {key}: every output of a run lives under output_dir"):
+        load_config(tmp_path / "old.yaml")
+
+
+def test_the_checkpointing_section_is_the_checkpoint_config_but_its_directory():
+    from hetrl.core.checkpoints import CheckpointConfig
+
+    section = _tiny(pathlib.Path("/runs/x"), "checkpointing={every: 4, keep: null, async_save: false}").checkpointing
+    assert set(type(section).model_fields) == set(CheckpointConfig.model_fields) - {"directory"} | {"resume"}
+    assert section.checkpoint_config("/runs/x/checkpoints") == CheckpointConfig(
+        directory="/runs/x/checkpoints", every=4, keep=None, async_save=False)
+    with pytest.raises(ConfigError, match="checkpointing.keep"):
+        _tiny(pathlib.Path("/runs/x"), "checkpointing.keep=0")  # CheckpointConfig's own bounds
 
 
 # ====================================================================== paths

@@ -287,17 +287,25 @@ class RaySection(_Strict):
     temp_dir: str | None = None
 
 
-class CheckpointingSection(_Strict):
-    """Trainer checkpoints in the run folder's ``checkpoints/``: one every ``every`` steps (0:
-    only at the end), the newest ``keep`` retained (None: all), written in the background
-    (``async_save``; Orbax only). ``resume``: continue the run in ``output_dir`` from its
+_CheckpointFields = create_model(
+    "_CheckpointFields", __base__=_Strict,
+    **{name: (info.annotation, info) for name, info in CheckpointConfig.model_fields.items() if name != "directory"},
+)
+
+
+class CheckpointingSection(_CheckpointFields):  # type: ignore[misc, valid-type]
+    """Trainer checkpoints in the run folder's ``checkpoints/``: the fields of
+    :class:`CheckpointConfig` but its ``directory`` (one every ``every`` steps, 0: only at the
+    end; the newest ``keep`` retained, None: all; written in the background with
+    ``async_save``, Orbax only). ``resume``: continue the run in ``output_dir`` from its
     newest checkpoint (with the rollout buffer's snapshot); without it a run refuses a folder
     that already holds one (:mod:`hetrl.orchestrator.run_folder`)."""
 
-    every: int = Field(0, ge=0)
-    keep: int | None = Field(3, gt=0)
-    async_save: bool = True
     resume: bool = False
+
+    def checkpoint_config(self, directory: str) -> CheckpointConfig:
+        """The trainers' :class:`CheckpointConfig` of this section, writing under ``directory``."""
+        return CheckpointConfig(directory=directory, **self.model_dump(exclude={"resume"}))
 
 
 class RunConfig(_Strict):
@@ -344,9 +352,7 @@ class RunConfig(_Strict):
         return self
 
     def _checkpoint(self) -> CheckpointConfig:
-        c = self.checkpointing
-        return CheckpointConfig(directory=f"{self.output_dir.rstrip('/')}/checkpoints", every=c.every,
-                                keep=c.keep, async_save=c.async_save)
+        return self.checkpointing.checkpoint_config(f"{self.output_dir.rstrip('/')}/checkpoints")
 
     def trainer_config(self, world_size: int = 1) -> JaxTrainerConfig | MegatronTrainerConfig:
         """The full config of the trainer ``trainer.kind`` names (``world_size``: the Megatron
@@ -586,9 +592,18 @@ def _step(tp: Any, part: str | int) -> Any:
     return None
 
 
+REMOVED_OUTPUT_KEYS = {("logging", "jsonl_path"): "metrics.jsonl", ("logging", "tensorboard_dir"): "tensorboard/",
+                       ("checkpointing", "directory"): "checkpoints/"}
+"""Output paths a config once set, now fixed inside the run folder (refused naming ``output_dir``)."""
+
+
 def _unknown_key_message(loc: Sequence[str | int]) -> str:
-    """``unknown key 'x'`` with the nearest field name of the model at ``loc`` (did you mean)."""
+    """``unknown key 'x'`` with the nearest field name of the model at ``loc`` (did you mean);
+    for a key of :data:`REMOVED_OUTPUT_KEYS`, where that output lives now."""
     key = loc[-1]
+    if tuple(loc) in REMOVED_OUTPUT_KEYS:
+        return (f"every output of a run lives under output_dir (this one is <output_dir>/"
+                f"{REMOVED_OUTPUT_KEYS[tuple(loc)]}): remove {key!r} and set output_dir instead")
     tp: Any = RunConfig
     for part in loc[:-1]:
         tp = _step(tp, part) if tp is not None else None
