@@ -83,12 +83,12 @@ def test_real_cluster_examples():
 
 
 def test_jax_trainer_config_is_composed_from_the_sections():
-    c = load_config("tiny_mixed.yaml", ["correction.veto_threshold=1e-4", "async.batch_groups=5",
+    c = load_config("tiny_mixed.yaml", ["correction.veto_threshold=1e-4",
                                          "checkpointing.every=7"])
     t = c.jax_trainer_config()
     assert isinstance(t, JaxTrainerConfig)
     assert t.correction == PRESETS["hetrl"].model_copy(update={"veto_threshold": 1e-4})
-    assert (t.data.batch_size, t.checkpoint.every) == (5, 7) and t.optimizer == c.trainer.optimizer
+    assert t.checkpoint.every == 7 and t.optimizer == c.trainer.optimizer
     with pytest.raises(ConfigError, match="not 'jax'"):
         load_config("qwen3_b200_megatron.yaml").jax_trainer_config()
 
@@ -181,7 +181,7 @@ def test_bad_overrides(override, message):
     ("trainer.optimizer.learning_rate=-1", "Input should be greater than 0"),
     ("trainer.kind=pytorch", "Input tag 'pytorch' found using 'kind' does not match"),
     ("trainer.tensor_parallel=2", "unknown key 'tensor_parallel'"),
-    ("trainer.data.batch_size=4", "data.batch_size is set by async.batch_groups"),
+    ("trainer.data.batch_size=4", "unknown key 'data'"),
     ("async.max_staleness=-1", "Input should be greater than or equal to 0"),
     ("async.stale_policy=keep", "Input should be 'drop' or 'regenerate'"),
     ("async.sampling.top_p=1.5", "Input should be less than or equal to 1"),

@@ -20,10 +20,10 @@ import pytest
 from hetrl.core.correction import LossInputs, PRESETS, grpo_advantages, mismatch_metrics, policy_loss, replay_logprobs
 from hetrl.models.hf_io import load_state_dict
 from hetrl.models.tiny import TINY_QWEN3, build_tiny_checkpoint
-from hetrl.trainer_jax import JaxTrainer, MeshConfig, make_mesh, prompt_iterator
+from hetrl.trainer_jax import JaxTrainer, MeshConfig, make_mesh
 from trainer_jax_worker import (
-    MESHES, RESUME_CONFIG, TRAIN_CONFIG, model_logits_fn, model_matched_batch, prompt_source, read_result,
-    rollouts_for_prompts, trainer_config,
+    MESHES, RESUME_CONFIG, TRAIN_CONFIG, model_logits_fn, model_matched_batch, read_result,
+    rollouts_for_prompts, step_prompts, trainer_config,
 )
 
 WORKER = pathlib.Path(__file__).with_name("trainer_jax_worker.py")
@@ -238,13 +238,12 @@ def test_resume_in_a_fresh_process_is_exact_and_retention_holds(ckpt, tmp_path):
     run_dir = tmp_path / "run"
     config = trainer_config(RESUME_CONFIG, checkpoint=dict(directory=str(run_dir), every=1, keep=2))
     trainer = JaxTrainer.from_hf(ckpt, config)
-    iterator = prompt_iterator(prompt_source(), config.data)
-    for _ in range(3):
-        trainer.train_step(rollouts_for_prompts(next(iterator), VOCAB))
-        assert trainer.save(iterator, force=False)
+    for step in range(3):
+        trainer.train_step(rollouts_for_prompts(step_prompts(step), VOCAB))
+        assert trainer.save(force=False)
     assert trainer.checkpoint_steps() == [2, 3]
     assert sorted(p.name for p in run_dir.iterdir() if p.name.isdigit()) == ["2", "3"]
-    metrics = trainer.train_step(rollouts_for_prompts(next(iterator), VOCAB))  # the uninterrupted 4th step
+    metrics = trainer.train_step(rollouts_for_prompts(step_prompts(3), VOCAB))  # the uninterrupted 4th step
     weights = trainer.export_hf_weights()
     trainer.close()
 

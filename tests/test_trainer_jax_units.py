@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
-from hetrl.trainer_jax import DistributedConfig, JaxTrainerConfig, MeshConfig, OptimizerConfig, PromptDataConfig, initialize_distributed, make_mesh, prompt_iterator
+from hetrl.trainer_jax import DistributedConfig, JaxTrainerConfig, MeshConfig, OptimizerConfig, initialize_distributed, make_mesh
 from hetrl.trainer_jax.mesh import fit_spec, local_batch_rows, local_rows_to_numpy, shard_batch
 from hetrl.trainer_jax.optim import learning_rate_schedule, make_optimizer
 
@@ -79,25 +79,3 @@ def test_single_process_batches_hold_every_row():
 def test_initialize_distributed_is_a_no_op_without_a_coordinator(monkeypatch):
     monkeypatch.delenv("HETRL_COORDINATOR", raising=False)
     assert initialize_distributed(DistributedConfig()) is False
-
-
-def test_prompt_batches_split_over_processes_and_resume_from_their_state():
-    source = [{"id": i} for i in range(10)]
-    config = PromptDataConfig(batch_size=4, seed=3)
-    whole = prompt_iterator(source, config, process_index=0, process_count=1)
-    halves = [prompt_iterator(source, config, process_index=p, process_count=2) for p in range(2)]
-    seen = []
-    for _ in range(5):  # crosses the epoch boundary (10 records, 4 per batch)
-        batch = [r["id"] for r in next(whole)]
-        parts = [[r["id"] for r in next(h)] for h in halves]
-        assert sorted(batch) == sorted(parts[0] + parts[1]) and not set(parts[0]) & set(parts[1])
-        seen.append(batch)
-    first_epoch = seen[0] + seen[1] + seen[2][:2]
-    assert sorted(first_epoch) == list(range(10)) and first_epoch != list(range(10))  # every record once, shuffled
-    fresh = prompt_iterator(source, config, process_index=0, process_count=1)
-    fresh.set_state(whole.get_state())
-    assert [r["id"] for r in next(fresh)] == [r["id"] for r in next(whole)]
-    two_epochs = prompt_iterator(source, PromptDataConfig(batch_size=5, seed=3, num_epochs=2), process_index=0, process_count=1)
-    assert len(list(two_epochs)) == 4
-    with pytest.raises(ValueError, match="split"):
-        prompt_iterator(source, PromptDataConfig(batch_size=3), process_index=0, process_count=2)

@@ -28,7 +28,6 @@ RESUME_CONFIG = dict(
     compute_dtype="fp32",
     correction_preset="tis",
     optimizer=dict(learning_rate=1e-3, warmup_steps=2, weight_decay=0.01),
-    data=dict(batch_size=4, seed=7),
 )
 NUM_PROMPTS = 10
 MESHES = {"2x2x1": (2, 2, 1), "1x2x2": (1, 2, 2)}
@@ -97,8 +96,9 @@ def model_matched_batch(logits_fn, vocab: int, seed: int = 0, batch: int = 8,
     return collate(rollouts, length_multiple=4)
 
 
-def prompt_source(n: int = NUM_PROMPTS) -> list[dict]:
-    return [{"prompt_id": i} for i in range(n)]
+def step_prompts(step: int, batch: int = 4) -> list[dict]:
+    """The prompts of the (0-based) ``step``: the next ``batch`` of ``NUM_PROMPTS`` ids, cycling."""
+    return [{"prompt_id": (step * batch + i) % NUM_PROMPTS} for i in range(batch)]
 
 
 def rollouts_for_prompts(prompts: list[dict], vocab: int) -> RolloutBatch:
@@ -188,14 +188,13 @@ def run_multihost(ckpt: str, batch_path: str, out: str, process_id: str, num_pro
 
 
 def run_resume(ckpt: str, run_dir: str, out: str) -> None:
-    """Fresh process: restore the latest checkpoint and its data-iterator state, take one step."""
-    from hetrl.trainer_jax import JaxTrainer, prompt_iterator
+    """Fresh process: restore the latest checkpoint, take the next step's batch."""
+    from hetrl.trainer_jax import JaxTrainer
 
     config = trainer_config(RESUME_CONFIG, checkpoint=dict(directory=run_dir))
     trainer = JaxTrainer.from_hf(ckpt, config)
-    iterator = prompt_iterator(prompt_source(), config.data)
-    step = trainer.restore(data_iterator=iterator)
-    loss = trainer.train_step(rollouts_for_prompts(next(iterator), trainer.model_config.vocab_size))["loss"]
+    step = trainer.restore()
+    loss = trainer.train_step(rollouts_for_prompts(step_prompts(step), trainer.model_config.vocab_size))["loss"]
     write_result(out, trainer.export_hf_weights(), loss=loss, restored_step=step)
     trainer.close()
 

@@ -62,7 +62,6 @@ from hetrl.trainer_jax.config import (
     JaxTrainerConfig,
     MeshConfig,
     OptimizerConfig,
-    PromptDataConfig,
 )
 
 __all__ = [
@@ -115,22 +114,14 @@ class ModelSection(_Strict):
 
 class JaxTrainerSection(_Strict):
     """The JAX trainer's own settings (those of :class:`JaxTrainerConfig` not owned by another
-    section; ``data.batch_size`` is set from ``async.batch_groups``)."""
+    section)."""
 
     kind: Literal["jax"] = "jax"
     compute_dtype: Literal["bf16", "fp32"] = "bf16"
     mesh: MeshConfig = MeshConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     normalize_advantage_std: bool = False
-    data: PromptDataConfig = PromptDataConfig()
     distributed: DistributedConfig = DistributedConfig()
-
-    @model_validator(mode="before")
-    @classmethod
-    def _owned_elsewhere(cls, data: Any) -> Any:
-        if isinstance(data, dict) and isinstance(data.get("data"), dict) and "batch_size" in data["data"]:
-            raise ValueError("data.batch_size is set by async.batch_groups; remove it here")
-        return data
 
 
 class MegatronTrainerSection(_Strict):
@@ -368,7 +359,7 @@ class RunConfig(_Strict):
             compute_dtype=t.compute_dtype, mesh=t.mesh, optimizer=t.optimizer,
             correction_preset=self.correction.preset, correction_overrides=self.correction.overrides,
             normalize_advantage_std=t.normalize_advantage_std, checkpoint=self._checkpoint(),
-            data=t.data.model_copy(update={"batch_size": self.async_.batch_groups}), distributed=t.distributed,
+            distributed=t.distributed,
         )
 
     def megatron_trainer_config(self, world_size: int = 1) -> MegatronTrainerConfig:
@@ -395,8 +386,6 @@ class RunConfig(_Strict):
         with all thresholds of its preset + overrides (fields owned by another section left
         out), so that validating it again gives an equal config."""
         data = self.model_dump(mode="json", by_alias=True)
-        if data["trainer"]["kind"] == "jax":
-            del data["trainer"]["data"]["batch_size"]  # owned by async.batch_groups
         data["correction"] = {"preset": self.correction.preset, **self.correction.resolve().model_dump(mode="json")}
         return data
 
@@ -463,7 +452,7 @@ def translate_trainer_section(section: dict[str, Any], kind: str) -> dict[str, A
     parallelism (``mesh.tensor`` <-> ``tensor_parallel``), ``normalize_advantage_std`` and the
     optimizer (AdamW hyper-parameters, clipping, warmup; a cosine decay to ``min_lr_ratio`` x
     the rate at ``total_steps`` <-> to ``min_learning_rate`` at ``decay_steps``). Settings one
-    trainer has and the other has no counterpart for are left out (JAX: ``data``,
+    trainer has and the other has no counterpart for are left out (JAX:
     ``distributed``, the mesh's data/fsdp sizes; Megatron: ``micro_batch_size``,
     ``kernel_fusion``, ``data_parallel``, ``optimizer.distributed``); one whose meaning cannot
     be kept (a decay of vectors, a linear schedule, pipeline parallelism) raises

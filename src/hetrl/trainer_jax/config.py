@@ -5,8 +5,8 @@ clipping and a warmup schedule), the compute precision (``bf16``: FP32 master we
 matmuls with FP32 accumulation; ``fp32``: everything in FP32), the device mesh
 (:class:`MeshConfig`, axes ``data`` x ``fsdp`` x ``tensor``), the off-policy correction (a preset
 of :data:`hetrl.core.correction.PRESETS` plus field overrides), checkpointing
-(:class:`hetrl.core.checkpoints.CheckpointConfig`), the prompt pipeline (:class:`PromptDataConfig`)
-and the multi-host start-up (:class:`DistributedConfig`).
+(:class:`hetrl.core.checkpoints.CheckpointConfig`) and the multi-host start-up
+(:class:`DistributedConfig`).
 """
 
 from __future__ import annotations
@@ -88,21 +88,6 @@ class OptimizerConfig(_Frozen):
         return self
 
 
-class PromptDataConfig(_Frozen):
-    """The prompt pipeline: ``batch_size`` prompts per global batch (split evenly over the
-    processes), shuffled by ``seed`` (re-shuffled each epoch), ``num_epochs`` passes (None:
-    forever); a final partial batch is dropped. ``read_threads`` background threads keep up to
-    ``prefetch`` batches read ahead (0 threads: read on demand); prompts are cheap to read, so
-    the defaults keep few Python threads competing with the training loop."""
-
-    batch_size: int = Field(8, gt=0)
-    seed: int = Field(0, ge=0, lt=2**32)
-    shuffle: bool = True
-    num_epochs: int | None = Field(None, gt=0)
-    read_threads: int = Field(1, ge=0)
-    prefetch: int = Field(16, ge=0)
-
-
 class DistributedConfig(_Frozen):
     """Multi-process start-up (``jax.distributed.initialize``).
 
@@ -130,7 +115,6 @@ class JaxTrainerConfig(_Frozen):
     correction_overrides: dict[str, Any] = Field(default_factory=dict)
     normalize_advantage_std: bool = Field(False, description="GRPO: divide A by the group std")
     checkpoint: CheckpointConfig = CheckpointConfig()
-    data: PromptDataConfig = PromptDataConfig()
     distributed: DistributedConfig = DistributedConfig()
 
     @model_validator(mode="after")

@@ -18,7 +18,6 @@ import os
 import pathlib
 from typing import Any, Mapping
 
-import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -183,19 +182,17 @@ class JaxTrainer:
             self._checkpointer = TrainCheckpointer(cfg.directory, keep=cfg.keep, async_save=cfg.async_save)
         return self._checkpointer
 
-    def save(self, data_iterator: grain.DatasetIterator | None = None, *, force: bool = True) -> bool:
-        """Checkpoint the state at :attr:`step` (with ``data_iterator``'s position, if given).
-        ``force=False`` saves only every ``config.checkpoint.every`` steps. Returns whether it saved."""
+    def save(self, *, force: bool = True) -> bool:
+        """Checkpoint the state at :attr:`step`. ``force=False`` saves only every ``config.checkpoint.every`` steps. Returns whether it saved."""
         if not force and not self.config.checkpoint.due(self.step):
             return False
         meta = {"step": self.step, "model_config": self.model_config.model_dump(mode="json")}
-        self._checkpoints().save(self.step, self.params, self.opt_state, meta, data_iterator)
+        self._checkpoints().save(self.step, self.params, self.opt_state, meta)
         return True
 
-    def restore(self, step: int | None = None, data_iterator: grain.DatasetIterator | None = None) -> int:
-        """Load checkpoint ``step`` (default: the latest) into this trainer, and
-        ``data_iterator``'s position; returns the restored step."""
-        params, opt_state, meta = self._checkpoints().restore(abstract_like(self.params), abstract_like(self.opt_state), step, data_iterator)
+    def restore(self, step: int | None = None) -> int:
+        """Load checkpoint ``step`` (default: the latest) into this trainer; returns the restored step."""
+        params, opt_state, meta = self._checkpoints().restore(abstract_like(self.params), abstract_like(self.opt_state), step)
         if meta["model_config"] != self.model_config.model_dump(mode="json"):
             raise ValueError(f"checkpoint model config {meta['model_config']} differs from this trainer's model")
         self.params, self.opt_state, self.step = params, opt_state, int(meta["step"])
