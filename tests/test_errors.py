@@ -26,7 +26,8 @@ from hetrl.errors import UserError
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHIPPED = sorted(p.name for p in CONFIG_DIR.glob("*.yaml") if not p.name.startswith("experiment_"))  # run configs
 REFUSED = {  # the real-cluster examples, until multi-rank training lands: what --dry-run must say
-    "qwen3_b200_megatron.yaml": ["needs 2 trainer ranks and the loop runs the trainer as 1",
+    "qwen3_b200_megatron.yaml": ["trainer.mesh: data 1 x fsdp -1 x tensor 2 needs a multiple of 2 trainer ranks and "
+                                 "the loop runs the trainer as 1",
                                  "environment.name: the loop runs 'synthetic' only", "model.path: /shared/models/Qwen3-8B does not exist"],
     "qwen3_tpu_jax.yaml": ["trainer.mesh: data 1 x fsdp -1 x tensor 4 needs a multiple of 4 devices",
                            "trainer.distributed: multi-process start-up", "output_dir: 'gs://"],
@@ -124,8 +125,8 @@ def test_a_missing_model_path_is_refused_by_dry_run_and_by_the_run(capsys, tmp_p
 
 def test_trainer_parallel_sizes_beyond_the_loops_one_rank_are_refused_by_dry_run(capsys):
     line = _one_line_error(capsys, ["train", "tiny_homogeneous.yaml", "--trainer", "megatron", "--dry-run",
-                                    "--set", "trainer.tensor_parallel=2"])
-    assert "trainer: tensor_parallel 2 x pipeline_parallel 1 x data_parallel -1 needs 2 trainer ranks" in line
+                                    "--set", "trainer.mesh={data: 1, fsdp: 1, tensor: 2}"])
+    assert "trainer.mesh: data 1 x fsdp 1 x tensor 2 needs 2 trainer ranks" in line
     assert main(["train", "tiny_homogeneous.yaml", "--trainer", "megatron", "--dry-run"]) == 0
 
 

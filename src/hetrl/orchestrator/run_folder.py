@@ -47,7 +47,7 @@ __all__ = ["RunFolder", "FIXED_BY_RUN", "NOT_COMPARED", "compare_configs", "flat
 
 log = logging.getLogger(__name__)
 
-FIXED_BY_RUN = ("trainer.kind", "trainer.compute_dtype", "trainer.bf16", "model.tiny", "model.seed", "model.warmstart",
+FIXED_BY_RUN = ("trainer.kind", "trainer.compute_dtype", "model.tiny", "model.seed", "model.warmstart",
                 "model.path", "fleet.pools", "seed", "environment", "async.group_size", "async.batch_groups")
 """Settings (dotted prefixes of the resolved config) a resumed run must keep: the checkpoint's
 trainer and its precision, the policy it started from, the fleet whose counters and buffer the
