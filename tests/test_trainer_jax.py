@@ -19,7 +19,7 @@ import pytest
 
 from hetrl.core.correction import LossInputs, PRESETS, grpo_advantages, mismatch_metrics, policy_loss, replay_logprobs
 from hetrl.models.hf_io import load_state_dict
-from hetrl.models.tiny import TINY_QWEN3, build_tiny_checkpoint
+from hetrl.models.tiny import TINY_QWEN3
 from hetrl.trainer_jax import MeshConfig, make_mesh
 from trainer_jax_worker import (
     MESHES, RESUME_CONFIG, TRAIN_CONFIG, model_logits_fn, model_matched_batch, read_result,
@@ -35,8 +35,8 @@ pytestmark = pytest.mark.slow
 
 # ====================================================================== fixtures
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> pathlib.Path:
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "qwen3", TINY_QWEN3, seed=0, init_std=0.08)
+def ckpt(tiny_checkpoint) -> pathlib.Path:
+    return tiny_checkpoint(TINY_QWEN3, seed=0, init_std=0.08)
 
 
 @pytest.fixture(scope="module")

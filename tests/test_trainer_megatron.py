@@ -29,7 +29,7 @@ HERE = pathlib.Path(__file__).resolve()
 SRC = HERE.parents[1] / "src" / "hetrl"
 sys.path.insert(0, str(HERE.parent))
 
-from conftest_models import CONFIGS, hf_models, tiny_checkpoints  # noqa: E402,F401  (fixtures)
+from conftest_models import CONFIGS  # noqa: E402
 from factories import log_softmax, sampler_info, truncated_distribution  # noqa: E402
 from hetrl.core.correction import LossInputs, PRESETS, grpo_advantages, policy_loss  # noqa: E402
 from hetrl.core.schema import Rollout, RolloutBatch, SamplingParams, SamplingSupport, collate  # noqa: E402
@@ -166,12 +166,12 @@ def run_worker(name: str, out: pathlib.Path, tiny: dict, files: dict) -> tuple[d
 
 
 @pytest.fixture(scope="module")
-def parity(tiny_checkpoints, batch_files, tmp_path_factory):  # noqa: F811
+def parity(tiny_checkpoints, batch_files, tmp_path_factory):
     return run_worker("parity", tmp_path_factory.mktemp("parity"), tiny_checkpoints, batch_files)
 
 
 @pytest.fixture(scope="module")
-def resumed(tiny_checkpoints, batch_files, tmp_path_factory):  # noqa: F811
+def resumed(tiny_checkpoints, batch_files, tmp_path_factory):
     """(first run: step, save, step; second, fresh process: restore, step)."""
     run_dir = tmp_path_factory.mktemp("resume")
     first = run_worker("resume-save", run_dir / "first", tiny_checkpoints, batch_files)
@@ -180,7 +180,7 @@ def resumed(tiny_checkpoints, batch_files, tmp_path_factory):  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def multi_process(tiny_checkpoints, batch_files, tmp_path_factory):  # noqa: F811
+def multi_process(tiny_checkpoints, batch_files, tmp_path_factory):
     """{name: [(json, arrays) of rank 0, of rank 1]} for the two-rank runs of MULTI_PROCESS."""
     from safetensors.numpy import load_file
 
@@ -225,7 +225,7 @@ def reference_loss(logits, batch: RolloutBatch, xp_asarray, config=PRESETS["hetr
 # ====================================================================== weight mapping (in process, no megatron)
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("tp", [1, 2])
-def test_hf_megatron_hf_round_trip_is_bit_exact(arch, tp, tiny_checkpoints):  # noqa: F811
+def test_hf_megatron_hf_round_trip_is_bit_exact(arch, tp, tiny_checkpoints):
     import torch
 
     from hetrl.trainer_megatron.weights import hf_to_megatron, megatron_to_hf
@@ -250,7 +250,7 @@ def test_hf_megatron_hf_round_trip_is_bit_exact(arch, tp, tiny_checkpoints):  # 
     assert all(t.dtype == torch.float32 for t in shards[0].values())
 
 
-def test_pipeline_stages_and_bf16_round_trip(tiny_checkpoints):  # noqa: F811
+def test_pipeline_stages_and_bf16_round_trip(tiny_checkpoints):
     import ml_dtypes
 
     from hetrl.trainer_megatron.weights import StageLayout, hf_to_megatron, megatron_to_hf
@@ -267,7 +267,7 @@ def test_pipeline_stages_and_bf16_round_trip(tiny_checkpoints):  # noqa: F811
         assert merged[name].dtype == ml_dtypes.bfloat16 and np.array_equal(merged[name].view(np.uint16), arr.view(np.uint16)), name
 
 
-def test_mapping_rejects_bad_inputs(tiny_checkpoints):  # noqa: F811
+def test_mapping_rejects_bad_inputs(tiny_checkpoints):
     from hetrl.models import CheckpointError
     from hetrl.trainer_megatron.weights import hf_to_megatron
 
@@ -282,7 +282,7 @@ def test_mapping_rejects_bad_inputs(tiny_checkpoints):  # noqa: F811
 # ====================================================================== parity (worker "parity")
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
-def test_fp32_logprobs_match_transformers_and_jax(arch, parity, hf_models, tiny_checkpoints):  # noqa: F811
+def test_fp32_logprobs_match_transformers_and_jax(arch, parity, hf_models, tiny_checkpoints):
     import jax.numpy as jnp
 
     from hetrl.models.qwen_jax import load_hf
@@ -329,7 +329,7 @@ def test_replayed_logprobs_match_transformers(arch, parity, batches, hf_models):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
-def test_loss_equals_policy_loss_of_transformers_and_jax_logits(arch, parity, batches, hf_models, tiny_checkpoints):  # noqa: F811
+def test_loss_equals_policy_loss_of_transformers_and_jax_logits(arch, parity, batches, hf_models, tiny_checkpoints):
     import jax.numpy as jnp
     import torch
 
@@ -371,7 +371,7 @@ def test_sequence_mean_and_ppo_clip_losses(variant, parity, batches, hf_models):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
-def test_bf16_logprobs_close_to_fp32_transformers(arch, parity, hf_models, tiny_checkpoints):  # noqa: F811
+def test_bf16_logprobs_close_to_fp32_transformers(arch, parity, hf_models, tiny_checkpoints):
     """BF16 megatron (Float16Module: BF16 weights and activations, FP32 softmax) against FP32
     transformers, on the full vocabulary and on the next tokens; JAX BF16 compute (FP32 weights)
     is reported alongside for scale."""
@@ -403,7 +403,7 @@ def test_bf16_logprobs_close_to_fp32_transformers(arch, parity, hf_models, tiny_
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
-def test_export_through_the_model_is_bit_exact(arch, parity, tiny_checkpoints):  # noqa: F811
+def test_export_through_the_model_is_bit_exact(arch, parity, tiny_checkpoints):
     _, arrays = parity
     hf = load_state_dict(tiny_checkpoints[arch])
     exported = {k[len(f"{arch}.export."):]: v for k, v in arrays.items() if k.startswith(f"{arch}.export.")}
@@ -413,7 +413,7 @@ def test_export_through_the_model_is_bit_exact(arch, parity, tiny_checkpoints): 
 
 
 @pytest.mark.slow
-def test_adamw_step_matches_jax_trainer(parity, batches, tiny_checkpoints):  # noqa: F811
+def test_adamw_step_matches_jax_trainer(parity, batches, tiny_checkpoints):
     """One fp32 AdamW step of the Megatron trainer against the JAX trainer on the same batch:
     the same loss and the same parameter update Δθ (relative error per tensor)."""
     pytest.importorskip("hetrl.trainer_jax")
