@@ -22,6 +22,7 @@ import pytest
 from hetrl.cli import main
 from hetrl.config import CONFIG_DIR, ConfigError, load_config
 from hetrl.errors import UserError
+from tiny_run import NO_EVAL, QUIET, TINY_MODEL, set_args
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHIPPED = sorted(p.name for p in CONFIG_DIR.glob("*.yaml") if not p.name.startswith("experiment_"))  # run configs
@@ -155,7 +156,7 @@ def test_every_other_shipped_config_builds_its_orchestrator_up_to_its_endpoints(
     raw = load_config(name)
     dead = f"http://127.0.0.1:{_free_port()}"
     servers = [i for i, p in enumerate(raw.fleet.pools) if p.engine != "embedded"]
-    overrides = [f"output_dir={tmp_path}", "logging.console=false",
+    overrides = [f"output_dir={tmp_path}", QUIET,
                  *([f"model.cache_dir={REPO / raw.model.cache_dir}"] if raw.model.cache_dir else []),
                  *(f"fleet.pools[{i}].endpoints=[{dead}]" for i in servers)]
     orchestrator = build_orchestrator(load_config(name, overrides))
@@ -188,9 +189,8 @@ def test_the_experiment_grid_passes_the_same_checks():
 def test_an_sglang_endpoint_with_no_server_is_one_line_naming_it(tmp_path):
     dead = f"http://127.0.0.1:{_free_port()}"
     run = subprocess.run(
-        [sys.executable, "-m", "hetrl.cli", "train", "tiny_homogeneous.yaml", "--set", "model={tiny: qwen3}",
-         "--set", f"output_dir={tmp_path}", "--set", "logging.console=false",
-         "--set", "environment.options.eval.every=0",
+        [sys.executable, "-m", "hetrl.cli", "train", "tiny_homogeneous.yaml",
+         *set_args([TINY_MODEL, f"output_dir={tmp_path}", QUIET, NO_EVAL]),
          "--set", f"fleet.pools=[{{name: h100-sglang, engine: sglang, accelerator: h100, weight_precision: bf16, "
                   f"endpoints: [{json.dumps(dead)}]}}]"],
         capture_output=True, text=True, timeout=600)

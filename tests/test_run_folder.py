@@ -20,13 +20,12 @@ import yaml
 from hetrl.cli import main
 from hetrl.config import CONFIG_DIR, ConfigError, load_config
 from hetrl.orchestrator.run_folder import RunFolder, compare_configs
+from tiny_run import TINY_RUN
 
 REPO = CONFIG_DIR.parent
-TINY = ["model={tiny: qwen3}", "logging.console=false", "async.batch_groups=2", "async.group_size=2",
-        "async.max_new_tokens=16", "async.max_staleness=1", "checkpointing.every=1",
-        "fleet.pools=[{name: b200-bf16, accelerator: b200, weight_precision: bf16, replicas: 1}]",
+TINY = [*TINY_RUN, "async.max_staleness=1", "checkpointing.every=1",
         "environment.options.eval={every: 2, tasks: 2, greedy: true, samples: 1}"]
-"""The cheapest run of tiny_homogeneous.yaml: a random tiny Qwen3, 2x2 rollouts of 16 tokens a step."""
+"""The tiny run (:data:`tiny_run.TINY_RUN`) of tiny_homogeneous.yaml, checkpointed every step, evaluated at step 2."""
 
 
 def _tiny(out: pathlib.Path, *extra: str):
