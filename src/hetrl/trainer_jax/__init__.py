@@ -13,8 +13,7 @@ the run config embeds it); the names below load their submodule on first access.
 import importlib
 
 _EXPORTS = {
-    **dict.fromkeys(("CheckpointConfig", "DistributedConfig", "JaxTrainerConfig", "MeshConfig", "OptimizerConfig"),
-                    "config"),
+    **dict.fromkeys(("DistributedConfig", "JaxTrainerConfig", "MeshConfig", "OptimizerConfig"), "config"),
     "initialize_distributed": "mesh", "make_mesh": "mesh",
     "JaxTrainer": "trainer",
 }
