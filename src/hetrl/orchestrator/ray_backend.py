@@ -36,21 +36,17 @@ import pathlib
 import shutil
 import tempfile
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import ray
 
 from hetrl.core.schema import RolloutBatch, SamplerInfo
 from hetrl.orchestrator.loop import AsyncOrchestrator, build_embedded_sampler
-from hetrl.orchestrator.trainer_handle import TrainerHandle, build_trainer
+from hetrl.orchestrator.trainer_handle import TrainerHandle, TrainerSetup, build_trainer
 from hetrl.samplers.base import Generation, GenerationRequest, Sampler, SamplerHealth
 from hetrl.samplers.profiles import SamplerNumerics
 from hetrl.stopping import reclaim_signals
-
-if TYPE_CHECKING:
-    from hetrl.trainer_jax.config import JaxTrainerConfig
-    from hetrl.trainer_megatron.config import MegatronTrainerConfig
 
 __all__ = ["RayOrchestrator", "RaySampler", "RayTrainer", "SharedWeights", "HostActor"]
 
@@ -223,8 +219,8 @@ class RayOrchestrator(AsyncOrchestrator):
         return RaySampler(self._host(build_embedded_sampler, self.model_dir, numerics, pool=pool, seed=seed),
                           self._weights)
 
-    def _create_trainer(self, config: "JaxTrainerConfig | MegatronTrainerConfig") -> TrainerHandle:
-        return RayTrainer(self._host(build_trainer, self.model_dir, config))
+    def _create_trainer(self, setup: TrainerSetup) -> TrainerHandle:
+        return RayTrainer(self._host(build_trainer, self.model_dir, setup))
 
     def replica_actor(self, replica_key: str) -> "ray.actor.ActorHandle":
         """The actor of replica ``<pool>/<index>`` (once the run has set up its fleet)."""
