@@ -148,7 +148,7 @@ def held_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("abort-held-run")
     cfg = load_config("tiny_mixed.yaml", [
         f"output_dir={out}",
-        "steps=3", "async.batch_groups=2", "async.group_size=2", "async.max_new_tokens=16",
+        "steps=3", *TINY_BATCH,
         f"async.max_staleness={MAX_STALENESS}", "async.weight_update=abort",
         "fleet.pools=[{name: fast, accelerator: h100, weight_precision: fp8_e4m3},"
         " {name: slow, accelerator: a100, weight_precision: bf16}]",
