@@ -36,7 +36,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from hetrl.errors import UserError
-from hetrl.samplers.profiles import CATALOGUE, PriceMode, SamplerNumerics, get_profile, sampler_numerics
+from hetrl.samplers.profiles import CATALOGUE, PriceMode, SamplerNumerics, pool_numerics, sampler_numerics
 
 __all__ = ["PEAK_BF16_TFLOPS", "WEIGHT_MASKED", "KV_MASKED", "reference_tps", "masked_fraction", "ModelSpec", "TrainerSpec",
            "WorkloadSpec", "SimPool", "SimConfig", "load_sim_config"]
@@ -179,13 +179,11 @@ class SimPool(_Strict):
         return self
 
     def numerics(self) -> SamplerNumerics:
-        """The pool's numerics, with price (of its mode) and throughput overrides."""
-        price_field = "spot_price_per_hour_usd" if self.price == "spot" else "price_per_hour_usd"
-        overrides = {k: v for k, v in ((price_field, self.price_per_hour_usd),
-                                       ("relative_throughput", self.relative_throughput)) if v is not None}
-        profile = get_profile(self.accelerator, **overrides)
-        return SamplerNumerics(profile=profile, weight_format=self.weight_precision or profile.default_weight_format,
-                               kv_format=self.kv_precision or profile.default_kv_format)
+        """The pool's numerics, with price (of its mode) and throughput overrides. The activation
+        format is what engines serve with the weight format (a simulated pool does not choose
+        it: neither its throughput nor the masked-fraction table depends on it)."""
+        return pool_numerics(self.accelerator, self.weight_precision, self.kv_precision, None,
+                             self.price, self.price_per_hour_usd, self.relative_throughput)
 
     def capacity(self) -> float:
         """Relative decode throughput of one replica (H100-bf16 accelerators)."""

@@ -68,6 +68,7 @@ __all__ = [
     "REFERENCE_KIND",
     "get_profile",
     "sampler_numerics",
+    "pool_numerics",
     "served_activation_format",
     "WEIGHT_FORMAT_SPEEDUP",
 ]
@@ -289,3 +290,15 @@ def sampler_numerics(kind: str, weight_format: str | None = None, kv_format: str
     profile = get_profile(kind, **profile_overrides)
     return SamplerNumerics(profile=profile, weight_format=weight_format or profile.default_weight_format,
                            kv_format=kv_format or profile.default_kv_format, activation_format=activation_format)
+
+
+def pool_numerics(kind: str, weight_format: str | None, kv_format: str | None, activation_format: str | None,
+                  price: PriceMode = "on_demand", price_per_hour_usd: float | None = None,
+                  relative_throughput: float | None = None) -> SamplerNumerics:
+    """A pool's :func:`sampler_numerics`, with its overrides applied to the profile:
+    ``price_per_hour_usd`` replaces the price of the pool's ``price`` mode (on-demand or spot),
+    ``relative_throughput`` the per-accelerator throughput; None keeps the catalogue's."""
+    price_field = "spot_price_per_hour_usd" if price == "spot" else "price_per_hour_usd"
+    overrides = {k: v for k, v in ((price_field, price_per_hour_usd), ("relative_throughput", relative_throughput))
+                 if v is not None}
+    return sampler_numerics(kind, weight_format, kv_format, activation_format, **overrides)
