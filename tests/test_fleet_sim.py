@@ -7,6 +7,7 @@ import pytest
 
 from hetrl.errors import UserError
 from hetrl.fleet_sim.config import SimConfig, SimPool, load_sim_config, masked_fraction
+from hetrl.fleet_sim.plan import load_plan_config
 from hetrl.samplers.fleet import PoolConfig
 from hetrl.fleet_sim.engine import simulate
 
@@ -147,6 +148,17 @@ def test_a_simulated_pool_has_the_numerics_of_the_same_fleet_pool(spec):
     sim, real = SimPool(name="p", **spec).numerics(), PoolConfig(name="p", **spec).numerics()
     assert sim == real
     assert sim.cost_per_hour(spec.get("price", "on_demand")) == real.cost_per_hour(spec.get("price", "on_demand"))
+
+
+def test_plan_and_repeated_keys_load_as_one_line(tmp_path):
+    bad = tmp_path / "plan.yaml"
+    bad.write_text("model: {params_b: 8}\ncapacity: [{name: a, accelerator: h100, max_replicas: 2}]\n")
+    with pytest.raises(UserError, match=r"target_tokens_per_s: Field required \(1 error\(s\)\)") as err:
+        load_plan_config(bad)
+    assert "\n" not in str(err.value)
+    bad.write_text("model: {params_b: 8}\nmodel: {params_b: 70}\npools: [{name: a, accelerator: h100}]\n")
+    with pytest.raises(UserError, match="not valid YAML.*'model'"):
+        load_sim_config(bad)
 
 
 def test_cluster_scale_runs_quickly():

@@ -30,16 +30,18 @@ measurement:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from hetrl.config import load_yaml
 from hetrl.errors import UserError
 from hetrl.samplers.profiles import CATALOGUE, PriceMode, SamplerNumerics, pool_numerics, sampler_numerics
 
 __all__ = ["PEAK_BF16_TFLOPS", "WEIGHT_MASKED", "KV_MASKED", "reference_tps", "masked_fraction", "ModelSpec", "TrainerSpec",
-           "WorkloadSpec", "SimPool", "SimConfig", "load_sim_config"]
+           "WorkloadSpec", "SimPool", "SimConfig", "load_yaml_model",
+           "load_sim_config"]
 
 #: Dense bf16 tensor-core / MXU peak, TFLOP/s per accelerator (vendor datasheets, without sparsity).
 PEAK_BF16_TFLOPS: dict[str, float] = {
@@ -64,6 +66,8 @@ KV_MASKED: dict[str, float] = {
 }
 
 _H100_BYTES_PER_S = 3.35e12
+
+M = TypeVar("M", bound=BaseModel)
 
 
 def reference_tps(model: "ModelSpec", max_batch: int, override: float | None = None) -> float:
@@ -227,11 +231,14 @@ class SimConfig(_Strict):
         return reference_tps(self.model, self.max_batch, self.reference_tokens_per_s)
 
 
-def load_sim_config(path: str | Path) -> SimConfig:
-    """Read and validate a simulator YAML; a bad file or key is one :class:`~hetrl.errors.UserError` line."""
+def load_yaml_model(path: str | Path, model_cls: type[M]) -> M:
+    """Read the YAML mapping at ``path`` (:func:`hetrl.config.load_yaml`: a key repeated in one
+    map is refused) and validate it as ``model_cls``; a missing file, bad YAML, a non-mapping or
+    an invalid key is one :class:`~hetrl.errors.UserError` line naming the file (and, for a
+    validation error, the first bad key and the number of errors)."""
     p = Path(path)
     try:
-        data = yaml.safe_load(p.read_text())
+        data = load_yaml(p.read_text())
     except FileNotFoundError:
         raise UserError(f"{p}: no such file") from None
     except yaml.YAMLError as err:
@@ -239,8 +246,13 @@ def load_sim_config(path: str | Path) -> SimConfig:
     if not isinstance(data, dict):
         raise UserError(f"{p}: expected a mapping at the top level")
     try:
-        return SimConfig.model_validate(data)
+        return model_cls.model_validate(data)
     except ValidationError as err:
         first = err.errors()[0]
         loc = ".".join(str(x) for x in first["loc"]) or "(top level)"
         raise UserError(f"{p}: {loc}: {first['msg']} ({err.error_count()} error(s))") from None
+
+
+def load_sim_config(path: str | Path) -> SimConfig:
+    """Read and validate a simulator YAML (:func:`load_yaml_model`)."""
+    return load_yaml_model(path, SimConfig)
