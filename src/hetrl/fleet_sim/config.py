@@ -37,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from hetrl.config import load_yaml
 from hetrl.errors import UserError
-from hetrl.samplers.profiles import CATALOGUE, PriceMode, SamplerNumerics, pool_numerics, sampler_numerics
+from hetrl.samplers.profiles import PriceMode, SamplerNumerics, known_kind, pool_numerics, sampler_numerics
 
 __all__ = ["PEAK_BF16_TFLOPS", "WEIGHT_MASKED", "KV_MASKED", "reference_tps", "masked_fraction", "ModelSpec", "TrainerSpec",
            "WorkloadSpec", "SimPool", "SimConfig", "load_yaml_model",
@@ -173,9 +173,7 @@ class SimPool(_Strict):
     @field_validator("accelerator")
     @classmethod
     def _kind(cls, v: str) -> str:
-        if v not in CATALOGUE:
-            raise ValueError(f"unknown accelerator kind {v!r}; known kinds: {', '.join(CATALOGUE)}")
-        return v
+        return known_kind(v)
 
     @model_validator(mode="after")
     def _native(self) -> "SimPool":

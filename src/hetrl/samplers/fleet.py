@@ -84,7 +84,7 @@ from hetrl.core.admission import QuarantineConfig
 from hetrl.samplers.base import Generation, GenerationRequest, Sampler, SamplerHealth
 from hetrl.samplers.faults import ChaosConfig
 from hetrl.samplers.pacing import Paced, ReferenceRate
-from hetrl.samplers.profiles import CATALOGUE, PriceMode, SamplerNumerics, pool_numerics
+from hetrl.samplers.profiles import CATALOGUE, PriceMode, SamplerNumerics, known_kind, pool_numerics
 
 __all__ = ["Engine", "Endpoint", "ServerOptions", "is_loopback_host", "PoolConfig", "RestartPolicy", "FleetConfig", "Replica", "JobResult", "Fleet", "PoolFigures",
            "FleetError", "SamplerFactory"]
@@ -222,9 +222,7 @@ class PoolConfig(BaseModel):
     @field_validator("accelerator")
     @classmethod
     def _kind(cls, v: str) -> str:
-        if v not in CATALOGUE:
-            raise ValueError(f"unknown accelerator kind {v!r}; known kinds: {', '.join(CATALOGUE)}")
-        return v
+        return known_kind(v)
 
     @field_validator("weight_precision", "kv_precision")
     @classmethod

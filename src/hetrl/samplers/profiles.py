@@ -67,6 +67,7 @@ __all__ = [
     "CATALOGUE",
     "REFERENCE_KIND",
     "get_profile",
+    "known_kind",
     "sampler_numerics",
     "pool_numerics",
     "served_activation_format",
@@ -183,11 +184,17 @@ CATALOGUE: dict[str, AcceleratorProfile] = {
 """Every known profile by kind."""
 
 
+def known_kind(kind: str) -> str:
+    """``kind`` if it is in :data:`CATALOGUE`; else ValueError naming the known kinds."""
+    if kind not in CATALOGUE:
+        raise ValueError(f"unknown accelerator kind {kind!r}; known kinds: {', '.join(CATALOGUE)}")
+    return kind
+
+
 def get_profile(kind: str, **overrides: Any) -> AcceleratorProfile:
     """The catalogue profile ``kind`` with fields replaced by ``overrides`` (re-validated), e.g.
     ``get_profile("h100", price_per_hour_usd=2.49)``."""
-    if kind not in CATALOGUE:
-        raise ValueError(f"unknown accelerator kind {kind!r}; known kinds: {', '.join(CATALOGUE)}")
+    known_kind(kind)
     if not overrides:
         return CATALOGUE[kind]
     return AcceleratorProfile.model_validate({**CATALOGUE[kind].model_dump(), **overrides})
