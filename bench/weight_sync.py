@@ -270,10 +270,12 @@ def plot(rows, path: pathlib.Path) -> None:
     for transport, fmt in series:
         pts = sorted((r["params"], r["sync_s"]) for r in rows if (r["transport"], r["format"]) == (transport, fmt))
         ax.plot(*zip(*pts), marker="o", label=f"{transport} {fmt}")
-    sizes = sorted({(r["params"], r["memcpy_s"], r["disk_write_s"] + r["disk_read_s"]) for r in rows})
-    ax.plot([s[0] for s in sizes], [s[1] for s in sizes], "k--", label="memcpy floor")
-    ax.plot([s[0] for s in sizes], [3 * s[1] for s in sizes], "k:", label="3x memcpy floor")
-    ax.plot([s[0] for s in sizes], [s[2] for s in sizes], "k-.", label="disk write+read floor")
+    params = sorted({r["params"] for r in rows})  # floors as measured beside the publications
+    memcpy = [statistics.median(r["floor_s"] for r in rows if r["params"] == p and r["floor"] == "memcpy") for p in params]
+    disk = [statistics.median(r["floor_s"] for r in rows if r["params"] == p and r["floor"] != "memcpy") for p in params]
+    ax.plot(params, memcpy, "k--", label="memcpy floor")
+    ax.plot(params, [3 * m for m in memcpy], "k:", label="3x memcpy floor")
+    ax.plot(params, disk, "k-.", label="disk write+read floor")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("parameters")
