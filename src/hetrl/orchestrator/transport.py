@@ -19,8 +19,10 @@ transport staged (or staging it itself, once per set, when no transport did):
   the driver never sends a replica its own copy (:func:`object_ref`).
 
 A distributed transport (the trainer ranks broadcasting into the servers' process group:
-SGLang's ``/init_weights_update_group`` + ``/update_weights_from_distributed``) is a further
-:class:`WeightTransport` whose :meth:`~WeightTransport.stage` would broadcast; it is not built.
+SGLang's ``/init_weights_update_group``, then ``/begin_weight_update``,
+``/update_weights_from_distributed`` beside one ``broadcast`` per tensor, ``/end_weight_update``)
+is a further :class:`WeightTransport` whose :meth:`~WeightTransport.stage` would broadcast; it is
+not built (tried by hand against the CPU SGLang server over gloo, where it works: BENCHMARKS.md).
 """
 
 from __future__ import annotations
