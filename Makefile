@@ -11,7 +11,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.hetrl-$(shell cat pyproject.toml constraints.txt | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: venv sglang-venv test train bench clean
+.PHONY: venv sglang-venv sandbox-tools test train bench clean
 
 venv: $(STAMP)
 
@@ -23,7 +23,15 @@ $(STAMP): pyproject.toml constraints.txt
 sglang-venv:
 	@$(PYTHON) tests/sglang_server/bootstrap.py >/dev/null
 
-test: $(STAMP) sglang-venv
+# bubblewrap gives the code sandbox its minimal view of the machine (hetrl.envs.sandbox); best effort:
+# as root with apt reachable it is installed, elsewhere one line says the fallback is used.
+sandbox-tools:
+	@command -v bwrap >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+	  && (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap libseccomp2) \
+	  >/dev/null 2>&1 && echo "sandbox: installed bubblewrap"; } \
+	  || echo "sandbox: bubblewrap unavailable (not root or offline); the sandbox falls back to unshare namespaces"
+
+test: $(STAMP) sglang-venv sandbox-tools
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 train: $(STAMP)

@@ -12,6 +12,12 @@ forks the program and waits for it. Modes:
   that reparents to it (it is PID 1 of the PID namespace when there is one) and, once the program
   exits, writes one JSON status line to ``status_fd`` and exits; leaving PID 1 kills whatever the
   program left behind.
+  Under bubblewrap (``mount.staged`` set) the mounts are bubblewrap's: the launcher only copies
+  the staged files (bound read-only at ``mount.staged``) into the run directory's tmpfs, gives it
+  to the sandbox uid and unmounts the staging and launcher binds.
+  The child, before anything else, joins the run's cgroup (``cgroup_fds``: ``cgroup.procs``
+  opened by the parent) and, as its last step before the exec, installs the seccomp filter
+  (``seccomp``: raw BPF, hex) after ``no_new_privs``.
 * ``sweep``: become the sandbox uid and ``kill(-1, SIGKILL)``: every process of that uid dies
   (the clean-up used when there is no PID namespace; the kernel makes it atomic against fork).
 
@@ -31,7 +37,8 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 AT_FDCWD, AT_RECURSIVE = -100, 0x8000
 MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID = 0x1, 0x2
 SYS_MOUNT_SETATTR = 442  # same number on every architecture that has it (Linux >= 5.12)
-PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP, PR_SET_SECUREBITS = 38, 24, 28
+PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP, PR_SET_SECUREBITS, PR_SET_SECCOMP = 38, 24, 28, 22
+SECCOMP_MODE_FILTER, MNT_DETACH, PTRACE_DETACH = 2, 2, 17
 # SECBIT_NOROOT | SECBIT_NOROOT_LOCKED | SECBIT_NO_SETUID_FIXUP_LOCKED | SECBIT_KEEP_CAPS_LOCKED
 SECUREBITS_LOCKED_NOROOT = 0x1 | 0x2 | 0x8 | 0x20
 
@@ -52,6 +59,19 @@ def _check(ret, what):
 def _mount(source, target, fstype, flags, data):
     _check(_libc.mount(source.encode(), target.encode(), fstype.encode(), ctypes.c_ulong(flags),
                        data.encode()), f"mount {fstype} on {target}")
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def _install_seccomp(program):
+    """Install a classic BPF seccomp program (``struct sock_filter[]``, 8 bytes per instruction)."""
+    buf = ctypes.create_string_buffer(program, len(program))
+    prog = _SockFprog(len(program) // 8, ctypes.cast(buf, ctypes.c_void_p))
+    ulong = ctypes.c_ulong
+    _check(_libc.prctl(ctypes.c_int(PR_SET_SECCOMP), ulong(SECCOMP_MODE_FILTER), ctypes.byref(prog), ulong(0),
+                       ulong(0)), "prctl(SET_SECCOMP)")
 
 
 def _mount_setattr(path, attr_set, attr_clr):
@@ -87,10 +107,24 @@ def _write_tree(root, entries, uid):
                 os.lchown(os.path.join(dirpath, name), uid, uid)
 
 
+def _prepare_bwrap(cfg):
+    """Under bubblewrap: fill the run directory's tmpfs from the staged copy, then unmount the
+    staging and launcher binds so that the program sees neither."""
+    mount, workdir, uid = cfg["mount"], cfg["workdir"], cfg["uid"]
+    _write_tree(workdir, _read_tree(mount["staged"]), uid)
+    if uid is not None:
+        os.chown(workdir, uid, uid)
+    os.chmod(workdir, 0o700)
+    for path in mount["unmount"]:
+        _check(_libc.umount2(path.encode(), ctypes.c_int(MNT_DETACH)), f"umount {path}")
+
+
 def _prepare_mounts(cfg):
     mount = cfg["mount"]
     if os.stat("/proc/self/ns/mnt").st_ino == mount["parent_mnt_ns"]:
         raise RuntimeError("not in a new mount namespace; refusing to touch the parent's mounts")
+    if "staged" in mount:
+        return _prepare_bwrap(cfg)
     workdir, uid = cfg["workdir"], cfg["uid"]
     entries = _read_tree(workdir)
     owner = f",uid={uid},gid={uid}" if uid is not None else ""
@@ -127,6 +161,9 @@ def _child(cfg, status_fd):
     """Runs in the forked child; never returns. ``status_fd`` is close-on-exec: the program never
     holds it; a failure before the exec is reported on it."""
     try:
+        for fd in cfg["cgroup_fds"]:
+            os.write(fd, b"0")  # join the run's cgroup; everything started from here inherits it
+            os.close(fd)
         os.chdir(cfg["workdir"])
         for name, (soft, hard) in cfg["rlimits"].items():
             resource.setrlimit(getattr(resource, name), (soft, hard))
@@ -143,6 +180,8 @@ def _child(cfg, status_fd):
         python = next((p for p in cfg["pythons"] if os.access(p, os.X_OK)), None)
         if python is None:
             raise RuntimeError(f"no interpreter executable by the sandbox user among {cfg['pythons']}")
+        if cfg["seccomp"]:
+            _install_seccomp(bytes.fromhex(cfg["seccomp"]))
         os.execve(python, [python, *cfg["argv"]], cfg["env"])
     except BaseException as exc:  # report and leave; nothing untrusted has run yet
         os.write(status_fd, (json.dumps({"setup_error": f"child: {exc!r}"}) + "\n").encode())
@@ -168,6 +207,10 @@ def _run(cfg, status_fd):
             wpid, wstatus, usage = os.wait4(-1, 0)
         except ChildProcessError:
             break
+        if os.WIFSTOPPED(wstatus):  # the program made us its tracer (PTRACE_TRACEME): let it go
+            _libc.ptrace(ctypes.c_long(PTRACE_DETACH), ctypes.c_long(wpid), None,
+                         ctypes.c_long(os.WSTOPSIG(wstatus)))
+            continue
         if wpid == pid:
             status = {"cpu_s": usage.ru_utime + usage.ru_stime, "maxrss_kb": usage.ru_maxrss}
             if os.WIFSIGNALED(wstatus):
@@ -192,7 +235,8 @@ def main():
     if cfg["mode"] == "sweep":
         _sweep(cfg)
     else:
-        os.set_inheritable(cfg["status_fd"], False)
+        for fd in (cfg["status_fd"], *cfg["cgroup_fds"]):
+            os.set_inheritable(fd, False)
         _run(cfg, cfg["status_fd"])
 
 

@@ -17,36 +17,71 @@ deleted afterwards, and returns a :class:`SandboxResult`. What it guarantees:
 
 The isolation proper is the strongest the machine allows, chosen once per process by probing (a
 trial run that *checks* each property from inside) and reported, never assumed, by
-:attr:`Sandbox.isolation`:
+:attr:`Sandbox.isolation`. Three mechanisms apply on top of any mode where the machine has them:
 
-1. as root with a usable ``unshare`` (util-linux): new network, PID, mount, IPC and UTS
-   namespaces; a dedicated uid per concurrent run (no groups, no capabilities, ``no_new_privs``);
-   every mount read-only except the run directory, which is a size-capped tmpfs (``disk_mb``);
-   a private ``/proc``; the ``hetrl`` package directory (which holds hidden tests) covered by an
-   empty tmpfs. Leaving PID 1 of the namespace kills every process of the run.
-2. not root but unprivileged user namespaces allowed (``unshare -Urn``): the same namespaces
-   inside a user namespace; the program keeps the caller's uid outside it, and has no
-   capabilities inside (bounding set emptied, securebits locked); the process limit counts the
-   run's user namespace only (Linux >= 5.14).
+* **minimal view** (``backend="bubblewrap"``, preferred; Debian's ``bubblewrap``): the program's
+  root is an empty tmpfs holding only ``/usr`` and the top-level library directories (read-only),
+  each interpreter's installation prefix with its ``site-packages`` covered by an empty tmpfs,
+  a private ``/proc`` and minimal ``/dev``, and size-capped private tmpfs at ``/tmp``,
+  ``/dev/shm`` and the run directory. Nothing of the project checkout, its ``.git``, any
+  virtualenv, home directories, other runs, the host ``/tmp`` or host sockets exists there. The
+  launcher runs as PID 1 of the run's namespaces (``--as-pid-1``), copies the staged files in
+  and unmounts its own and the staging binds before the program starts.
+* **tree limits** (:mod:`hetrl.envs._cgroup`): one cgroup per run below the caller's own, cgroup
+  v2 or v1 (``memory`` and ``pids`` hierarchies): the memory of the whole process tree
+  (anonymous, ``memfd`` and tmpfs pages, page cache; no swap) is capped at ``memory_mb`` and its
+  tasks (processes and threads) at ``max_processes``; a program killed by the cgroup's OOM killer
+  is reported as ``killed_reason="memory"``. Where no cgroup is writable (not root and nothing
+  delegated) memory is bounded per process only: ``RLIMIT_AS`` does not count memfd or tmpfs
+  pages, so a tree may hold up to ``max_processes`` x (``memory_mb`` + ``max_open_files`` x
+  ``max_file_mb``), and the run directory's tmpfs at ``disk_mb``.
+* **seccomp** (:mod:`hetrl.envs._seccomp`, libseccomp through ``pyseccomp``): ``ptrace``,
+  ``mount`` and the new mount API, ``unshare``/``setns``/``clone`` with namespace flags,
+  ``keyctl``/``add_key``/``request_key``, ``bpf``, ``perf_event_open``, ``io_uring``,
+  ``userfaultfd`` and machine administration calls fail with ``EPERM``; installed by the launcher
+  after ``no_new_privs``, immediately before the exec. Without libseccomp: not active.
+
+The modes (the namespaces and the user the program runs as):
+
+1. as root with ``bwrap`` or a usable ``unshare`` (util-linux): new network (loopback only), PID,
+   mount, IPC and UTS namespaces; a dedicated uid per concurrent run (no groups, no
+   capabilities, ``no_new_privs``). With bubblewrap the minimal view above; with ``unshare``
+   every mount read-only except the run directory, which is a size-capped tmpfs (``disk_mb``),
+   a private ``/proc``, and the ``hetrl`` package directory (which holds hidden tests) covered by
+   an empty tmpfs; world-readable host files and host UNIX sockets stay reachable. Leaving PID 1
+   of the namespace kills every process of the run.
+2. not root but unprivileged user namespaces allowed (``bwrap --unshare-user`` or
+   ``unshare -Urn``): the same namespaces inside a user namespace; the program keeps the caller's
+   uid outside it, and has no capabilities inside (bounding set emptied, securebits locked); the
+   process limit counts the run's user namespace only (Linux >= 5.14).
 3. as root without namespaces: the dedicated uid and the limits only. The network is NOT
    isolated, world-writable directories (``/tmp``, ``/dev/shm``) are writable, nothing is hidden;
-   clean-up by killing every process of the uid.
+   clean-up by killing every process of the uid (and of the run's cgroup).
 4. neither: limits and scrubbed environment; no process limit (it would count the caller's own
    processes); clean-up by process-group kill, which a program calling ``setsid`` escapes. The
    program runs as the caller. Pass ``require=`` to refuse to run in a weaker mode than needed.
 
-On the development VM (root, Linux 6.18, util-linux 2.38, no bubblewrap) mode 1 is active: every
-mechanism of mode 1 above, verified by the probe and attacked by ``tests/test_sandbox.py``. The
-same tests pass in modes 2, 3 and 4 (run as an unprivileged user, and with ``unshare`` off the
-``PATH``), skipping the cases a mode cannot protect and checking that the report says so. In an
-unprivileged container (where seccomp usually forbids ``unshare``) expect mode 3 or 4. Reading
-world-readable host files stays possible in every mode.
+On the development VM and in CI (root, Debian 12, Linux 6.18, bubblewrap 0.8, cgroup v1
+``memory`` and ``pids``, libseccomp 2.5.4) mode 1 with bubblewrap, tree limits (v1) and seccomp is
+active: every mechanism above, verified by the probe and attacked by ``tests/test_sandbox.py``.
+``Sandbox(backend="unshare", cgroup=False, seccomp=False)`` is the isolation before bubblewrap
+(kept for comparison). The tests also pass without bubblewrap (mode 1 with ``unshare``), skipping
+the cases a configuration cannot protect and checking that the report says so. In an
+unprivileged container (where seccomp usually forbids ``unshare``) expect mode 3 or 4.
+
+Residual risk with every mechanism active: the kernel (a bug reachable through the allowed
+system calls), the machine's CPU shared with other runs (bounded per run by the CPU and wall
+limits only), and reading the standard library and ``/usr``. Nothing of the sandbox layer reads
+host files into a result: ``stdout``/``stderr`` are the program's own output, and a
+:class:`SandboxError` names paths and errors, never file contents.
 
 Thread-safe: any number of threads may call :meth:`Sandbox.run` on one or many sandboxes.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import fcntl
 import json
 import logging
@@ -67,6 +102,8 @@ from typing import Iterable, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from hetrl.envs import _cgroup, _seccomp
+
 log = logging.getLogger(__name__)
 
 LAUNCHER = pathlib.Path(__file__).with_name("_launcher.py")
@@ -81,7 +118,15 @@ DEFAULT_HIDDEN = (str(pathlib.Path(__file__).resolve().parents[1]),)
 #: container runtimes allocate.
 UID_BASE, UID_SLOTS = 2_000_000_000, 1024
 _UNSHARE_FLAGS = ("--net", "--pid", "--ipc", "--uts", "--mount", "--fork", "--kill-child")
-_MECHANISMS = ("network", "pid_namespace", "filesystem", "uid", "no_capabilities")
+_MECHANISMS = ("network", "pid_namespace", "filesystem", "uid", "no_capabilities", "minimal_view", "tree_limits",
+               "seccomp")
+#: Isolation backends, strongest first; ``auto`` takes the strongest that works.
+BACKENDS = ("bubblewrap", "unshare", "none")
+#: Inside a bubblewrap sandbox: the launcher and the staged run files (unmounted before the program
+#: starts).
+_BWRAP_LAUNCHER, _BWRAP_STAGED = "/.sandbox/launcher.py", "/.sandbox/staged"
+_BWRAP_FLAGS = ("--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
+                "--die-with-parent", "--new-session", "--as-pid-1")
 
 
 class SandboxError(RuntimeError):
@@ -95,8 +140,10 @@ class SandboxLimits(BaseModel):
 
     cpu_s: float = Field(default=2.0, gt=0)
     wall_s: float = Field(default=5.0, gt=0)
-    memory_mb: int = Field(default=512, ge=32, description="address space (RLIMIT_AS) per process")
-    max_processes: int = Field(default=32, ge=1, description="processes of the sandbox uid")
+    memory_mb: int = Field(default=512, ge=32, description="address space (RLIMIT_AS) per process, and the "
+                           "memory of the whole tree (cgroup: memfd and tmpfs pages included) where tree limits hold")
+    max_processes: int = Field(default=32, ge=1, description="processes of the sandbox uid (and tasks of the tree "
+                               "where tree limits hold)")
     max_file_mb: int = Field(default=16, ge=1)
     max_open_files: int = Field(default=64, ge=16)
     disk_mb: int = Field(default=64, ge=1, description="size of the run directory's tmpfs")
@@ -128,7 +175,8 @@ class SandboxLimits(BaseModel):
 class SandboxResult:
     """Outcome of one run. ``returncode`` is the program's exit code, ``-N`` when signal N killed
     it, None when unknown (killed with its launcher). ``killed_reason``: None, ``"wall_time"``,
-    ``"cpu_time"``, ``"file_size"``, ``"signal:NAME"`` or ``"launcher_lost"``. Streams are decoded
+    ``"cpu_time"``, ``"file_size"``, ``"memory"`` (the tree's cgroup memory limit: the OOM killer),
+    ``"signal:NAME"`` or ``"launcher_lost"``. Streams are decoded
     as UTF-8 (invalid bytes replaced) after truncation to the output cap."""
 
     returncode: int | None
@@ -161,6 +209,10 @@ class Isolation:
     no_capabilities: bool
     interpreter: str
     interpreter_version: str
+    backend: str = "unshare"
+    minimal_view: bool = False
+    tree_limits: str | None = None
+    seccomp: bool = False
 
     def active(self) -> set[str]:
         """The active mechanisms, by the names ``require=`` accepts."""
@@ -171,8 +223,10 @@ class Isolation:
             return yes if flag else no
 
         return "; ".join([
-            f"mode {self.mode}",
-            mark(self.network, "network: private namespace, no interfaces up",
+            f"mode {self.mode} ({self.backend})",
+            mark(self.minimal_view, "view: minimal (interpreter, run directory, private /tmp)",
+                 "view: the host filesystem"),
+            mark(self.network, "network: private namespace, loopback only",
                  "network: NOT isolated (host network)"),
             mark(self.pid_namespace, "processes: private PID namespace", "processes: host PID namespace"),
             mark(self.filesystem, "filesystem: read-only except the run directory (tmpfs)",
@@ -182,6 +236,10 @@ class Isolation:
             mark(self.uid, "user: dedicated uid per run", "user: the caller's uid")
             + mark(self.user_namespace, " (in a user namespace)", ""),
             mark(self.no_capabilities, "capabilities: none", "capabilities: NOT dropped"),
+            f"tree limits: {self.tree_limits} (memory incl. memfd/tmpfs, pids)" if self.tree_limits
+            else "tree limits: NONE (memory per process only)",
+            mark(self.seccomp, "seccomp: ptrace, mount, namespaces, keyctl, bpf, perf denied",
+                 "seccomp: NONE"),
             f"interpreter: {self.interpreter} {' '.join(PYTHON_FLAGS)} (Python {self.interpreter_version})",
         ])
 
@@ -199,6 +257,17 @@ class _Plan:
     proc: bool
     own_uid: bool
     pythons: tuple[str, ...]
+    backend: str = "unshare"
+    cgroup: bool = False
+    seccomp: bool = False
+
+    @property
+    def pid_ns(self) -> bool:
+        return self.backend == "bubblewrap" or "--pid" in self.prefix
+
+    @property
+    def user_ns(self) -> bool:
+        return "--user" in self.prefix or "--unshare-user" in self.prefix
 
 
 def _interpreters() -> tuple[str, ...]:
@@ -317,91 +386,197 @@ class _UidPool:
 
 _UIDS = _UidPool(UID_BASE, UID_SLOTS)
 _PROBE_LOCK = threading.Lock()
-_PROBES: dict[tuple[str, ...], tuple[_Plan, Isolation]] = {}
+_PROBES: dict[tuple, tuple[_Plan, Isolation]] = {}
 
 # Trusted probe program: reports, from inside a trial run, what it can observe.
 _PROBE = r"""
-import json, os, socket, sys
-hide = json.loads(sys.stdin.read())
+import ctypes, json, os, socket, sys
+ask = json.loads(sys.stdin.read())
+hide = ask["hidden"]
 r = {"python": sys.executable, "version": sys.version.split()[0], "uid": os.getuid(), "pid": os.getpid(),
      "ppid": os.getppid(),
      "ifaces": sorted(name for _, name in socket.if_nameindex())}
 with open("/proc/self/status") as fh:
-    r["cap_eff"] = int(next(l for l in fh if l.startswith("CapEff:")).split()[1], 16)
+    status = dict(l.split(":", 1) for l in fh if ":" in l)
+r["cap_eff"] = int(status["CapEff"].split()[0], 16)
+r["seccomp_mode"] = int(status.get("Seccomp", "0").split()[0])
 r["proc_pids"] = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
-outside = os.path.join(os.path.dirname(os.getcwd()), ".hetrl-probe-%d" % os.getpid())
-try:
-    open(outside, "x").close()
-    os.unlink(outside)
-    r["write_outside"] = True
-except OSError:
-    r["write_outside"] = False
 r["hidden_visible"] = [p for p in hide if os.path.isdir(p) and os.listdir(p)]
+r["secrets_visible"] = [p for p in ask["secrets"] if os.path.lexists(p)]
+# the run directory's parent only where it is the host's (the marker there is visible)
+dirs = ["/", "/usr", "/etc", "/var/tmp"] + [os.path.dirname(os.getcwd())] * os.path.lexists(ask["marker"])
+r["write_outside"] = []
+for d in dirs:
+    try:
+        open(os.path.join(d, ".hetrl-probe-%d" % os.getpid()), "x").close()
+        os.unlink(os.path.join(d, ".hetrl-probe-%d" % os.getpid()))
+        r["write_outside"].append(d)
+    except OSError:
+        pass
+libc = ctypes.CDLL(None, use_errno=True)  # last: it may succeed (no seccomp) and change the view
+r["unshare_user"] = libc.unshare(0x10000000) == 0 or ctypes.get_errno()
 print(json.dumps(r))
 """
 
 
-def _plans() -> list[_Plan]:
-    """Candidate plans, strongest first (see the module docstring for the modes)."""
+def _prefixes(pythons: Iterable[str]) -> list[str]:
+    """Installation prefixes of the candidate interpreters (the directory above ``bin``; ours:
+    ``sys.base_prefix``, never a virtualenv)."""
+    out = []
+    for python in pythons:
+        ours = python == os.path.realpath(sys.executable)
+        prefix = os.path.realpath(sys.base_prefix) if ours else os.path.dirname(os.path.dirname(python))
+        if prefix not in out:
+            out.append(prefix)
+    return out
+
+
+def _within(path: str, top: str) -> bool:
+    return path == top or path.startswith(top.rstrip("/") + "/")
+
+
+def _bwrap_view(pythons: tuple[str, ...], hidden: tuple[str, ...]) -> list[str]:
+    """bubblewrap arguments of the minimal view: ``/usr`` and the top-level library and binary
+    directories (links where the host has links), each interpreter's prefix outside ``/usr`` with
+    its ``site-packages`` covered by an empty tmpfs, and any hidden path inside them covered."""
+    args: list[str] = ["--ro-bind", "/usr", "/usr"]
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(top):
+            args += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            args += ["--ro-bind", top, top]
+    bound = ["/usr"]
+    for prefix in _prefixes(pythons):
+        if not any(_within(prefix, b) for b in bound):
+            args += ["--ro-bind", prefix, prefix]
+            bound.append(prefix)
+        lib = os.path.join(prefix, "lib")
+        for name in sorted(os.listdir(lib)) if os.path.isdir(lib) else ():
+            packages = os.path.join(lib, name, "site-packages")
+            if name.startswith("python") and os.path.isdir(packages):
+                args += ["--tmpfs", packages]
+    for path in hidden:
+        if os.path.isdir(path) and any(_within(path, b) for b in bound):
+            args += ["--tmpfs", path]
+    return args
+
+
+def _secrets(hidden: tuple[str, ...], prefixes: list[str]) -> list[str]:
+    """Host paths the minimal view must not show: the project checkout around the hidden
+    directories (its ``.git``, its ``pyproject.toml``), our virtualenv, home directories' entries
+    (except the way to an interpreter prefix), ``/run`` (host sockets)."""
+    out = []
+    for path in hidden:
+        for parent in pathlib.Path(path).parents:
+            out += [str(parent / ".git"), str(parent / "pyproject.toml")]
+    if sys.prefix != sys.base_prefix:
+        out.append(os.path.join(sys.prefix, "pyvenv.cfg"))
+    for home in {os.path.expanduser("~"), "/home"}:
+        try:
+            names = os.listdir(home)
+        except OSError:
+            continue
+        for name in names:
+            entry = os.path.join(home, name)
+            if not any(_within(p, entry) for p in prefixes):
+                out.append(entry)
+    out.append("/run")
+    return sorted({p for p in out if os.path.lexists(p)})
+
+
+def _plans(backend: str = "auto", cgroup: bool = True, seccomp: bool = True) -> list[_Plan]:
+    """Candidate plans, strongest first (see the module docstring for the modes); ``backend``
+    restricts them to one backend. ``cgroup``/``seccomp``: whether to ask for tree limits and
+    the seccomp filter (each plan falls back to without them only when they are unavailable)."""
     root = os.geteuid() == 0
-    unshare = shutil.which("unshare")
+    unshare, bwrap = shutil.which("unshare"), shutil.which("bwrap")
     pythons = _interpreters()
+    cg = cgroup and _cgroup.locate()[0] is not None
+    sc = seccomp and _seccomp.compiled() is not None
     plans = []
+    if bwrap and sys.platform.startswith("linux"):
+        if root:
+            plans += [_Plan(1, (bwrap, *_BWRAP_FLAGS), True, True, True, pythons, "bubblewrap", cg, sc)]
+        plans += [_Plan(2, (bwrap, *_BWRAP_FLAGS, "--unshare-user"), True, True, False, pythons, "bubblewrap", cg, sc)]
     if unshare and sys.platform.startswith("linux"):
         if root:
-            plans += [_Plan(1, (unshare, *_UNSHARE_FLAGS), True, proc, True, pythons) for proc in (True, False)]
+            plans += [_Plan(1, (unshare, *_UNSHARE_FLAGS), True, proc, True, pythons, "unshare", cg, sc)
+                      for proc in (True, False)]
         userns = (unshare, "--user", "--map-root-user", *_UNSHARE_FLAGS)
-        plans += [_Plan(2, userns, True, proc, False, pythons) for proc in (True, False)]
-    plans.append(_Plan(3 if root else 4, (), False, False, root, pythons))
-    return plans
+        plans += [_Plan(2, userns, True, proc, False, pythons, "unshare", cg, sc) for proc in (True, False)]
+    plans.append(_Plan(3 if root else 4, (), False, False, root, pythons, "none", cg, sc))
+    return [p for p in plans if backend in ("auto", p.backend)]
 
 
 def _verify(plan: _Plan, hidden: tuple[str, ...]) -> tuple[_Plan, Isolation]:
     """Run the probe program under ``plan`` and return the plan pinned to the interpreter it
     found, with the isolation the probe observed from inside. SandboxError if the run fails."""
-    try:
-        res = _Runner(plan, SandboxLimits(cpu_s=5, wall_s=10), hidden).run(_PROBE, json.dumps(list(hidden)), {})
-    except (SandboxError, OSError) as exc:
-        raise SandboxError(f"mode {plan.mode}: {exc}") from exc
+    with tempfile.NamedTemporaryFile(prefix="hetrl-probe-marker-") as marker:
+        secrets = [*_secrets(hidden, _prefixes(plan.pythons)), marker.name]
+        try:
+            res = _Runner(plan, SandboxLimits(cpu_s=5, wall_s=10), hidden).run(
+                _PROBE, json.dumps({"hidden": list(hidden), "secrets": secrets, "marker": marker.name}), {})
+        except (SandboxError, OSError) as exc:
+            raise SandboxError(f"mode {plan.mode} ({plan.backend}): {exc}") from exc
     lines = res.stdout.strip().splitlines()
     if not res.ok or not lines:
-        raise SandboxError(f"mode {plan.mode}: rc={res.returncode} {res.killed_reason} {res.stderr.strip()[-300:]}")
+        raise SandboxError(f"mode {plan.mode} ({plan.backend}): rc={res.returncode} {res.killed_reason} "
+                           f"{res.stderr.strip()[-300:]}")
     report = json.loads(lines[-1])
     iso = Isolation(
         mode=plan.mode,
         network=report["ifaces"] == ["lo"],
-        pid_namespace=report["ppid"] == 1 and "--pid" in plan.prefix,
+        pid_namespace=report["ppid"] == 1 and plan.pid_ns,
         filesystem=not report["write_outside"],
         private_proc=plan.proc and set(report["proc_pids"]) <= {1, report["pid"]},
         hidden_paths=tuple(p for p in hidden if os.path.isdir(p) and p not in report["hidden_visible"]),
         uid=plan.own_uid and report["uid"] != 0,
-        user_namespace="--user" in plan.prefix,
+        user_namespace=plan.user_ns,
         no_capabilities=report["cap_eff"] == 0,
         interpreter=report["python"],
         interpreter_version=report["version"],
+        backend=plan.backend,
+        minimal_view=not report["secrets_visible"],
+        tree_limits=_cgroup.locate()[1] if plan.cgroup else None,
+        seccomp=plan.seccomp and report["seccomp_mode"] == 2 and report["unshare_user"] == errno.EPERM,
     )
-    return _Plan(plan.mode, plan.prefix, plan.mount, plan.proc, plan.own_uid, (report["python"],)), iso
+    if report["secrets_visible"] and plan.backend == "bubblewrap":
+        log.warning("sandbox: host paths visible in the minimal view: %s", report["secrets_visible"])
+    return dataclasses.replace(plan, pythons=(report["python"],)), iso
 
 
-def _probe(hidden: tuple[str, ...]) -> tuple[_Plan, Isolation]:
+def _degraded(plan: _Plan) -> list[_Plan]:
+    """``plan``, then (should its trial run fail) the same without tree limits, then without the
+    seccomp filter as well: a mechanism that fails here costs only itself."""
+    out = [plan]
+    if plan.cgroup:
+        out.append(dataclasses.replace(plan, cgroup=False))
+    if plan.seccomp:
+        out.append(dataclasses.replace(out[-1], seccomp=False))
+    return out
+
+
+def _probe(hidden: tuple[str, ...], backend: str = "auto", cgroup: bool = True,
+           seccomp: bool = True) -> tuple[_Plan, Isolation]:
     """The strongest plan whose trial run works, and what it verified. Cached per process."""
+    key = (hidden, backend, cgroup, seccomp)
     with _PROBE_LOCK:
-        if hidden not in _PROBES:
+        if key not in _PROBES:
             failures = []
-            for plan in _plans():
+            for plan in (d for p in _plans(backend, cgroup, seccomp) for d in _degraded(p)):
                 try:
-                    _PROBES[hidden] = _verify(plan, hidden)
+                    _PROBES[key] = _verify(plan, hidden)
                     break
                 except SandboxError as exc:
-                    failures.append(str(exc))
+                    failures.append(f"{exc} (tree limits {plan.cgroup}, seccomp {plan.seccomp})")
             else:
-                raise SandboxError("no sandbox mode works here: " + " | ".join(failures))
+                raise SandboxError(f"no sandbox mode works here (backend {backend}): " + " | ".join(failures))
             if failures:
                 log.info("sandbox: stronger modes unavailable: %s", " | ".join(failures))
-            iso = _PROBES[hidden][1]
-            if iso.mode > 1 or not iso.active() >= set(_MECHANISMS):
-                log.warning("sandbox isolation is weaker than mode 1: %s", iso.describe())
-        return _PROBES[hidden]
+            iso = _PROBES[key][1]
+            if backend == "auto" and (iso.mode > 1 or not iso.active() >= set(_MECHANISMS)):
+                log.warning("sandbox isolation is weaker than mode 1 with every mechanism: %s", iso.describe())
+        return _PROBES[key]
 
 
 def _rmtree(path: str) -> None:
@@ -424,18 +599,25 @@ class Sandbox:
     :attr:`isolation`.
 
     ``require``: mechanism names (``network``, ``pid_namespace``, ``filesystem``, ``uid``,
-    ``no_capabilities``) that must be active, else :class:`SandboxError` is raised at
-    construction. ``hidden``: directories covered by an empty tmpfs (modes 1 and 2 only).
+    ``no_capabilities``, ``minimal_view``, ``tree_limits``, ``seccomp``) that must be active, else
+    :class:`SandboxError` is raised at construction. ``hidden``: directories covered by an empty
+    tmpfs (modes 1 and 2; under bubblewrap they are not in the view at all). ``backend``:
+    ``"auto"`` (the strongest that works), or one of ``"bubblewrap"``, ``"unshare"`` (the
+    isolation before bubblewrap), ``"none"``; ``cgroup``/``seccomp``: False turns the tree
+    limits / the seccomp filter off (to measure what they cost).
     """
 
     def __init__(self, limits: SandboxLimits | None = None, *, require: Iterable[str] = (),
-                 hidden: Iterable[str] = DEFAULT_HIDDEN):
+                 hidden: Iterable[str] = DEFAULT_HIDDEN, backend: str = "auto", cgroup: bool = True,
+                 seccomp: bool = True):
         self.limits = limits or SandboxLimits()
         unknown = set(require) - set(_MECHANISMS)
         if unknown:
             raise ValueError(f"unknown isolation mechanisms {sorted(unknown)}; known: {_MECHANISMS}")
+        if backend not in ("auto", *BACKENDS):
+            raise ValueError(f"unknown sandbox backend {backend!r}; known: auto, {', '.join(BACKENDS)}")
         hidden = tuple(sorted(set(hidden)))
-        plan, self._isolation = _probe(hidden)
+        plan, self._isolation = _probe(hidden, backend, cgroup, seccomp)
         missing = set(require) - self._isolation.active()
         if missing:
             raise SandboxError(f"required isolation {sorted(missing)} unavailable here: {self._isolation}")
@@ -498,29 +680,65 @@ class _Runner:
             os.chown(workdir, uid, uid)
 
     def _launch_cmd(self, cfg: dict) -> list[str]:
-        return [*self._plan.prefix, os.path.realpath(sys.executable), *PYTHON_FLAGS, str(LAUNCHER), json.dumps(cfg)]
+        python = os.path.realpath(sys.executable)
+        if self._plan.backend != "bubblewrap":
+            return [*self._plan.prefix, python, *PYTHON_FLAGS, str(LAUNCHER), json.dumps(cfg)]
+        workdir, disk = cfg["workdir"], str(self.limits.disk_mb << 20)
+        return [*self._plan.prefix, *_bwrap_view((python, *self._plan.pythons), self._hidden),
+                "--proc", "/proc", "--dev", "/dev",
+                "--perms", "1777", "--size", disk, "--tmpfs", "/tmp",
+                "--perms", "1777", "--size", disk, "--tmpfs", "/dev/shm",
+                "--perms", "0700", "--size", disk, "--tmpfs", workdir,
+                "--ro-bind", workdir, _BWRAP_STAGED, "--ro-bind", str(LAUNCHER), _BWRAP_LAUNCHER,
+                "--remount-ro", "/", "--chdir", "/", python, *PYTHON_FLAGS, _BWRAP_LAUNCHER, json.dumps(cfg)]
+
+    def _mount_cfg(self, workdir: str) -> dict | None:
+        if not self._plan.mount:
+            return None
+        ns = {"parent_mnt_ns": os.stat("/proc/self/ns/mnt").st_ino}
+        if self._plan.backend == "bubblewrap":
+            return {**ns, "staged": _BWRAP_STAGED, "unmount": [_BWRAP_STAGED, _BWRAP_LAUNCHER]}
+        return {**ns, "tmpfs_mb": self.limits.disk_mb, "tmpfs_inodes": 4096, "proc": self._plan.proc,
+                "hide": list(self._hidden)}
 
     def _execute(self, workdir: str, stdin: str, uid: int | None) -> SandboxResult:
+        group = None
+        if self._plan.cgroup:
+            manager = _cgroup.locate()[0]
+            try:
+                group = manager.group(self.limits.memory_mb << 20, self.limits.max_processes)
+            except OSError as exc:
+                raise SandboxError(f"cannot create the run's cgroup: {exc}") from exc
+        try:
+            return self._execute_in(workdir, stdin, uid, group)
+        finally:
+            if group is not None and not group.close():
+                log.error("sandbox cgroup %s still has processes; left in place", group.dirs)
+
+    def _execute_in(self, workdir: str, stdin: str, uid: int | None, group: "_cgroup.Group | None") -> SandboxResult:
         limits = self.limits
         status_r, status_w = os.pipe()
+        cgroup_fds = list(group.fds) if group is not None else []
+        program = _seccomp.compiled() if self._plan.seccomp else None
         cfg = {
             "mode": "run", "status_fd": status_w, "workdir": workdir, "uid": uid, "wall_s": limits.wall_s,
-            "mount": {"tmpfs_mb": limits.disk_mb, "tmpfs_inodes": 4096, "proc": self._plan.proc,
-                      "hide": list(self._hidden), "parent_mnt_ns": os.stat("/proc/self/ns/mnt").st_ino}
-            if self._plan.mount else None,
-            "rlimits": limits.rlimits(nproc=uid is not None or "--user" in self._plan.prefix),
+            "mount": self._mount_cfg(workdir), "cgroup_fds": cgroup_fds,
+            "seccomp": program.hex() if program is not None else None,
+            "rlimits": limits.rlimits(nproc=uid is not None or self._plan.user_ns),
             "pythons": list(self._plan.pythons), "argv": [*PYTHON_FLAGS, MAIN], "env": _scrubbed_env(workdir),
         }
         start = time.monotonic()
         try:
             proc = subprocess.Popen(
                 self._launch_cmd(cfg), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                pass_fds=(status_w,), cwd=workdir, env=_scrubbed_env(workdir), start_new_session=True)
+                pass_fds=(status_w, *cgroup_fds), cwd=workdir, env=_scrubbed_env(workdir), start_new_session=True)
         except OSError as exc:
             os.close(status_r)
             raise SandboxError(f"cannot start the sandbox: {exc}") from exc
         finally:
             os.close(status_w)
+            if group is not None:
+                group.close_fds()
         try:
             streams, truncated, timed_out = self._communicate(proc, stdin.encode(), status_r, start + limits.wall_s)
         finally:
@@ -537,6 +755,9 @@ class _Runner:
             if "signal" in status:
                 returncode = -status["signal"]
                 reason = self._signal_reason(status["signal"], cpu)
+                if status["signal"] == signal.SIGKILL and reason != "cpu_time" and group is not None \
+                        and group.oom_kills() > 0:
+                    reason = "memory"
             else:
                 returncode = status["exit"]
         elif not timed_out:
@@ -641,7 +862,7 @@ class _Runner:
         PID 1 (the launcher, the only child of ``unshare``) and wait for ``unshare``: it returns
         only after the kernel has killed every process of the namespace. Otherwise SIGKILL the
         process group (the dedicated uid is swept afterwards)."""
-        if proc.poll() is None and "--pid" in self._plan.prefix:
+        if proc.poll() is None and self._plan.pid_ns:
             for pid in _children(proc.pid):
                 _signal(pid, signal.SIGKILL)
             try:
