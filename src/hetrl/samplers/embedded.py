@@ -70,7 +70,7 @@ from hetrl.samplers.sampling import DEFAULT_SUPPORT_CAP, check_params, draw_nois
 from hetrl.samplers.weight_set import WeightSet
 
 __all__ = ["EmbeddedSampler", "quantize_weights", "QUANTIZED_WEIGHT", "DEFAULT_LENGTH_BUCKETS", "DEFAULT_BATCH_BUCKETS",
-           "ParameterLayout", "parameter_layout", "stage_parameters", "staged_parameters", "staging_key"]
+           "ParameterLayout", "parameter_layout", "stage_parameters", "staged_parameters", "staging_key", "storage_format"]
 
 QUANTIZED_WEIGHT = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight")
 """HF names of the tensors stored in the pool's weight format (the rest: compute dtype)."""
