@@ -9,7 +9,9 @@
   every replica of that format holds the same arrays;
 * shared disk: one export per version, the one every server replica is pointed at;
 * Ray object store (real Ray, slow): the set is put once and each replica actor fetches it by
-  reference, then samples what a local replica with the same weights samples.
+  reference, then samples what a local replica with the same weights samples;
+* the loop's choice: each backend publishes to its embedded replicas through its own transport
+  (one staging per distinct format) and to server pools through the shared disk.
 """
 
 import os
@@ -184,3 +186,23 @@ def test_ray_transport_puts_once_and_each_actor_fetches_by_reference():
             assert np.all(x.policy_version == 2)
     finally:
         ray.shutdown()
+
+
+def test_each_backend_publishes_through_its_transports(tmp_path):
+    from hetrl.config import load_config
+    from hetrl.orchestrator.local import LocalOrchestrator
+    from hetrl.orchestrator.ray_backend import RayOrchestrator
+    from hetrl.orchestrator.transport import RayObjectStoreTransport
+
+    cfg = load_config("tiny_mixed_sglang.yaml", [f"output_dir={tmp_path}"])
+    embedded_pools = [p for p in cfg.fleet.pools if p.engine == "embedded"]
+    assert embedded_pools and len(embedded_pools) < len(cfg.fleet.pools)  # both kinds of pool
+    formats = {(p.numerics().weight_format, p.numerics().param_format) for p in embedded_pools}
+    for backend, transport in ((LocalOrchestrator, InProcessTransport), (RayOrchestrator, RayObjectStoreTransport)):
+        orch = backend(cfg, console=False)
+        orch.model_config, orch.model_dir = TINY_QWEN3, tmp_path / "model"  # what the set-up resolves
+        embedded_side, disk = orch._transports()
+        assert type(embedded_side) is transport and isinstance(disk, SharedDiskTransport)
+        assert disk.root == orch.folder.weights and disk.model_dir == tmp_path / "model"
+        if transport is InProcessTransport:  # one staging per distinct format among the embedded pools
+            assert sorted((n.weight_format, n.param_format) for n in embedded_side.numerics) == sorted(formats)
