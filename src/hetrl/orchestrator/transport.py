@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import abc
 import pathlib
-from typing import Any, ClassVar, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -48,8 +48,6 @@ OBJECT_STORE = ("ray-object-store",)
 class WeightTransport(abc.ABC):
     """Carries one published :class:`WeightSet` to the replicas of the pools it serves."""
 
-    name: ClassVar[str]
-
     @abc.abstractmethod
     def stage(self, weights: WeightSet) -> None:
         """Prepare ``weights`` once for every replica this transport serves (at publication,
@@ -59,8 +57,6 @@ class WeightTransport(abc.ABC):
 class InProcessTransport(WeightTransport):
     """Embedded replicas in this process (see the module docstring): stages the parameter
     arrays of each distinct weight format among ``numerics`` (one quantization per format)."""
-
-    name = "in-process"
 
     def __init__(self, config: ModelConfig, numerics: Iterable[SamplerNumerics]):
         from hetrl.samplers.embedded import staging_key  # JAX: only where embedded replicas are
@@ -78,8 +74,6 @@ class InProcessTransport(WeightTransport):
 class SharedDiskTransport(WeightTransport):
     """Server replicas reading a directory they share with the driver (see the module
     docstring): exports each version once under ``root``, with ``model_dir``'s non-weight files."""
-
-    name = "shared-disk"
 
     def __init__(self, config: ModelConfig, root: str | pathlib.Path, model_dir: str | pathlib.Path):
         self.config, self.root, self.model_dir = config, pathlib.Path(root), pathlib.Path(model_dir)
@@ -103,8 +97,6 @@ def object_ref(weights: Mapping[str, np.ndarray]) -> Any:
 class RayObjectStoreTransport(WeightTransport):
     """Replicas in Ray actors (see the module docstring): puts each version into the object
     store once; :class:`hetrl.orchestrator.ray_backend.RaySampler` sends actors the reference."""
-
-    name = "ray-object-store"
 
     def stage(self, weights: WeightSet) -> None:
         object_ref(weights)

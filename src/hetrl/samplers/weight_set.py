@@ -66,8 +66,3 @@ class WeightSet(Mapping[str, np.ndarray]):
                 self.builds[key] += 1
                 self._building.pop(key, None)
             return form
-
-    def is_staged(self, key: Hashable) -> bool:
-        """Whether the form under ``key`` has been built."""
-        with self._lock:
-            return key in self._forms
