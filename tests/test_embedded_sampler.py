@@ -130,7 +130,8 @@ def _mean_k3(sampler, trainer, prompts, sampling):
 
 
 def test_mismatch_is_real_and_ordered_by_weight_precision(peaked_checkpoint):
-    """b200 pools (bf16 compute, fp32 accumulation, bf16 KV) differing only in the weight format;
+    """b200 pools (bf16 compute, fp32 accumulation, bf16 KV, activations unquantized) differing only
+    in the weight format (weight + activation formats: tests/test_activation_precision.py);
     trainer = exact fp32 with mask replay; 16 prompts x 32 tokens at top_p 0.95. Measured k3:
     fp32 reference 1.6e-8, bf16 6.2e-4, fp8 2.8e-2, nvfp4 4.1e-1 (ratios 45x and 15x); asserted
     margins: 3x between consecutive formats, bf16 >= 100x the fp32 reference and > 1e-5."""
@@ -140,7 +141,7 @@ def test_mismatch_is_real_and_ordered_by_weight_precision(peaked_checkpoint):
     sampling = SamplingParams(temperature=1.0, top_p=0.95)
     k3 = {}
     for fmt in ("fp32", "bf16", "fp8_e4m3", "nvfp4"):
-        numerics = REF if fmt == "fp32" else sampler_numerics("b200", fmt, "bf16")
+        numerics = REF if fmt == "fp32" else sampler_numerics("b200", fmt, "bf16", "none")  # weight-only
         sampler = EmbeddedSampler.from_checkpoint(peaked_checkpoint, numerics, seed=1, **SHAPES)
         k3[fmt] = _mean_k3(sampler, trainer, prompts, sampling)
     assert k3["nvfp4"] > 3 * k3["fp8_e4m3"] > 9 * k3["bf16"] > 900 * k3["fp32"], k3

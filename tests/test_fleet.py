@@ -86,12 +86,24 @@ def test_fake_sampler_satisfies_the_protocol():
     assert isinstance(FakeSampler(FAST), Sampler)
 
 
+def test_pool_activation_precision_defaults_to_what_engines_serve():
+    assert PoolConfig(name="a", accelerator="b200", weight_precision="nvfp4").numerics().activation_format == "nvfp4"
+    assert PoolConfig(name="a", accelerator="h100", weight_precision="fp8_e4m3").numerics().activation_format == "fp8_e4m3"
+    assert PoolConfig(name="a", accelerator="h100").numerics().activation_format == "none"
+    pinned = PoolConfig(name="a", accelerator="h100", weight_precision="fp8_e4m3", activation_precision="none")
+    assert pinned.numerics().activation_format == "none"
+
+
 @pytest.mark.parametrize("kwargs, loc, message", [
     (dict(name="a", accelerator="a100", weight_precision="fp8_e4m3"), "weight_precision", "does not run weight format 'fp8_e4m3'"),
     (dict(name="a", accelerator="h100", kv_precision="nvfp4"), "kv_precision", "KV-cache format 'nvfp4'"),
+    (dict(name="a", accelerator="h100", activation_precision="nvfp4"), "activation_precision",
+     "does not run activation format 'nvfp4'"),
     (dict(name="a", accelerator="v100"), "accelerator", "unknown accelerator kind 'v100'"),
     (dict(name="a b", accelerator="h100"), "name", "must match"),
     (dict(name="a", accelerator="h100", engine="sglang"), "", "one endpoint per replica"),
+    (dict(name="a", accelerator="h100", engine="sglang", endpoints=("https://x",), activation_precision="fp8_e4m3"),
+     "", "activation_precision sets how the embedded engine computes"),
     (dict(name="a", accelerator="h100", engine="sglang-jax", endpoints=("https://x",)), "", "serves TPUs"),
     (dict(name="a", accelerator="tpu-v6e", engine="sglang", endpoints=("https://x",)), "", "use 'sglang-jax'"),
     (dict(name="a", accelerator="h100", endpoints=("https://x",)), "", "embedded pools take no endpoints"),

@@ -22,12 +22,13 @@ CASTS = {"fp32": np.float32, "bf16": ml_dtypes.bfloat16, "fp16": np.float16}
 SCALED = {
     "fp8_e4m3": (ml_dtypes.float8_e4m3fn, 448.0, (None,)),
     "fp8_e4m3_block": (ml_dtypes.float8_e4m3fn, 448.0, (128, 128)),
+    "fp8_e4m3_g128": (ml_dtypes.float8_e4m3fn, 448.0, (128,)),
     "fp8_e4m3fnuz": (ml_dtypes.float8_e4m3fnuz, 240.0, (None,)),
     "nvfp4": (ml_dtypes.float4_e2m1fn, 6.0, (16,)),
     "mxfp4": (ml_dtypes.float4_e2m1fn, 6.0, (32,)),
     "int8": (np.int8, 127.0, (None,)),
 }
-PER_GROUP_AMAX = ("fp8_e4m3", "fp8_e4m3_block", "fp8_e4m3fnuz", "int8")  # scale = amax / top
+PER_GROUP_AMAX = ("fp8_e4m3", "fp8_e4m3_block", "fp8_e4m3_g128", "fp8_e4m3fnuz", "int8")  # scale = amax / top
 
 
 def bits(a):
@@ -232,7 +233,7 @@ def test_error_ordering_on_gaussian_weights():
     err = {f: float(np.sqrt(np.mean((quantize_dequantize(w, f) - w) ** 2) / np.mean(w**2))) for f in FORMATS}
     assert err["fp32"] == 0.0
     assert err["fp16"] < err["bf16"] < err["int8"] < err["fp8_e4m3"] < err["nvfp4"] < err["mxfp4"]
-    for fp8 in ("fp8_e4m3_block", "fp8_e4m3fnuz"):  # same 3-bit mantissa: same error to ~10%
+    for fp8 in ("fp8_e4m3_block", "fp8_e4m3_g128", "fp8_e4m3fnuz"):  # same 3-bit mantissa: same error to ~10%
         assert abs(err[fp8] / err["fp8_e4m3"] - 1) < 0.1
     assert err["bf16"] < 3e-3 and err["nvfp4"] < 0.12 and err["mxfp4"] < 0.15
 

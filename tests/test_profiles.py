@@ -91,7 +91,37 @@ def test_sampler_info_throughput_and_cost():
     info = n.sampler_info()
     assert (info.pool, info.accelerator, info.weight_precision, info.kv_precision, info.engine) == (
         "b200-nvfp4-bf16", "b200", "nvfp4", "bf16", "embedded")
+    assert info.activation_precision == "nvfp4" and sampler_numerics("b200").sampler_info().activation_precision == "none"
     assert n.sampler_info("pool-a", engine="sglang").pool == "pool-a"
     assert n.relative_throughput() > sampler_numerics("b200").relative_throughput() > sampler_numerics("h100").relative_throughput()
     assert n.cost_per_hour() == CATALOGUE["b200"].price_per_hour_usd
     assert n.param_format == "bf16" and sampler_numerics(REFERENCE_KIND).param_format == "fp32"
+
+
+@pytest.mark.parametrize("kind, weight, served", [
+    ("h100", "fp8_e4m3", "fp8_e4m3"),        # FP8 W8A8, per-token dynamic activation scales
+    ("h200", "fp8_e4m3_block", "fp8_e4m3_g128"),  # 128 x 128 block weights, 1 x 128 activation groups
+    ("mi300x", "fp8_e4m3fnuz", "fp8_e4m3fnuz"),
+    ("b200", "nvfp4", "nvfp4"),              # W4A4
+    ("b200", "mxfp4", "none"),
+    ("a100", "int8", "int8"),                # INT8 W8A8 per token on GPUs
+    ("tpu-v6e", "int8", "none"),             # weight-only int8 on TPUs
+    ("h100", "bf16", "none"),
+    ("fp32", "fp32", "none"),
+])
+def test_default_activation_format_is_what_engines_serve(kind, weight, served):
+    n = sampler_numerics(kind, weight)
+    assert n.activation_format == served
+    assert n.model_numerics().activation_format == served
+    assert served in CATALOGUE[kind].activation_formats
+
+
+def test_activation_format_validation_names_kind_and_format():
+    assert sampler_numerics("h100", "fp8_e4m3", activation_format="none").activation_format == "none"
+    assert sampler_numerics("b200", "bf16", activation_format="nvfp4").model_numerics().activation_format == "nvfp4"
+    with pytest.raises(ValidationError, match="accelerator 'h100' does not run activation format 'nvfp4' natively"):
+        sampler_numerics("h100", "fp8_e4m3", activation_format="nvfp4")
+    with pytest.raises(ValidationError, match="accelerator 'a100' does not run activation format 'fp8_e4m3'"):
+        sampler_numerics("a100", "int8", activation_format="fp8_e4m3")
+    with pytest.raises(ValidationError, match="activation format 'fp7'"):
+        sampler_numerics("b200", "bf16", activation_format="fp7")

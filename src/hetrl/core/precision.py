@@ -9,6 +9,7 @@ float32, the result is cast back to ``x.dtype``. ``quantize`` / ``dequantize`` e
 halves (element codes and scales, see :class:`QuantizedTensor`)::
 
     w_fp8 = quantize_dequantize(w, "fp8_e4m3")                       # numpy or jax
+    a_fp4 = quantize_activations(x, "nvfp4")                          # per token: W4A4's matmul input
     kv_fp4 = jax.jit(quantize_dequantize, static_argnums=1)(kv, "nvfp4")
     q = quantize(w, "mxfp4"); q.values, q.scale                       # E2M1 codes, E8M0 scales
 
@@ -23,6 +24,7 @@ bf16           bfloat16            --                                      --
 fp16           float16             --                                      --
 fp8_e4m3       float8_e4m3fn (448) the last axis (per channel)             amax / 448
 fp8_e4m3_block float8_e4m3fn (448) 128 x 128 blocks over the last two axes amax / 448
+fp8_e4m3_g128  float8_e4m3fn (448) 128 along the last axis (1 x 128 groups) amax / 448
 fp8_e4m3fnuz   float8_e4m3fnuz     the last axis                           amax / 240
                (AMD MI300, 240)
 nvfp4          float4_e2m1fn (6)   16 along the last axis, plus one        t = amax_tensor / (6*448);
@@ -57,7 +59,7 @@ Edge cases, as implemented:
   to ``top``, so requantizing sees ``amax' = fl(top * s)``, and ``fl(fl(top * s) / top) == s`` for
   every ``s = fl(amax / top)`` (checked over all float32 mantissas for 127, 240, 448 and 6*448):
   the scale is a fixed point and the codes then reproduce. This holds for bf16, fp16, fp32 and
-  mxfp4 (power-of-two scales, every step exact) always; for fp8_e4m3(_block/fnuz) and int8 when
+  mxfp4 (power-of-two scales, every step exact) always; for fp8_e4m3(_block/_g128/fnuz) and int8 when
   every nonzero group amax is a normal float32 (>= 2^-126); for nvfp4 when the tensor amax is
   >= 2^-114 (a normal tensor scale) and every nonzero E4M3 block scale is normal (>= 2^-6, i.e.
   block amax >= amax_tensor / 28672). The last condition is the format's own: a subnormal block
@@ -80,7 +82,8 @@ import numpy as np
 
 from hetrl.core.xp import Array, backend_name, namespace
 
-__all__ = ["FORMATS", "QuantizedTensor", "quantize", "dequantize", "quantize_dequantize"]
+__all__ = ["FORMATS", "ACTIVATION_FORMATS", "QuantizedTensor", "quantize", "dequantize", "quantize_dequantize",
+           "quantize_activations"]
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,7 @@ _SPECS: dict[str, _Spec] = {
     "fp16": _Spec(np.float16),
     "fp8_e4m3": _Spec(ml_dtypes.float8_e4m3fn, 448.0, "amax", (None,)),
     "fp8_e4m3_block": _Spec(ml_dtypes.float8_e4m3fn, 448.0, "amax", (128, 128)),
+    "fp8_e4m3_g128": _Spec(ml_dtypes.float8_e4m3fn, 448.0, "amax", (128,)),
     "fp8_e4m3fnuz": _Spec(ml_dtypes.float8_e4m3fnuz, 240.0, "amax", (None,)),
     "nvfp4": _Spec(ml_dtypes.float4_e2m1fn, 6.0, "nvfp4", (16,)),
     "mxfp4": _Spec(ml_dtypes.float4_e2m1fn, 6.0, "mxfp4", (32,)),
@@ -105,6 +109,10 @@ _SPECS: dict[str, _Spec] = {
 
 FORMATS: tuple[str, ...] = tuple(_SPECS)
 """Names accepted by :func:`quantize` and :func:`quantize_dequantize`."""
+
+ACTIVATION_FORMATS: tuple[str, ...] = ("none", "fp8_e4m3", "fp8_e4m3fnuz", "fp8_e4m3_g128", "int8", "nvfp4", "mxfp4")
+"""Names accepted by :func:`quantize_activations`: ``"none"`` (the matmul reads the activations in
+the compute dtype) and the formats whose scale groups lie within one token."""
 
 _E4M3_MAX = 448.0
 _E8M0_MIN = 2.0**-127
@@ -124,7 +132,8 @@ class QuantizedTensor:
     * ``scale``: float32, one per block (size 1 on the in-block axes, so it broadcasts against
       ``values``); each value is exactly representable in the format's scale type (E4M3 for
       nvfp4, E8M0 for mxfp4). ``None`` for plain casts.
-    * ``tensor_scale``: nvfp4's float32 per-tensor scale (0-d), ``None`` otherwise.
+    * ``tensor_scale``: nvfp4's float32 per-tensor scale (0-d; per row, ``[..., 1, 1]``, with
+      ``quantize(..., per_row=True)``), ``None`` otherwise.
     * ``shape``, ``dtype``: the original array's, restored by :func:`dequantize`.
     """
 
@@ -136,13 +145,20 @@ class QuantizedTensor:
     dtype: Any
 
 
-def quantize(x: Array, fmt: str) -> QuantizedTensor:
+def quantize(x: Array, fmt: str, *, per_row: bool = False) -> QuantizedTensor:
     """``x`` (numpy or jax, any shape, real floating dtype) encoded in ``fmt``; see the module doc.
+
+    ``per_row=True`` encodes every row ``x[i, ..., :]`` (a slice along the last axis) as a
+    tensor of its own: nvfp4's tensor scale is then one per row (``tensor_scale`` of shape
+    ``[..., 1, 1]``, broadcasting against ``values``); the other formats' scale groups already lie
+    within a row and are unchanged; ``fp8_e4m3_block``, whose blocks span rows, is refused.
 
     Raises ``ValueError`` for an unknown ``fmt`` or too few dimensions, ``TypeError`` for a
     non-floating dtype or a torch tensor (use :func:`quantize_dequantize` for those).
     """
     spec = _spec(fmt)
+    if per_row and len(spec.block) > 1:
+        raise ValueError(f"format {fmt!r} blocks {len(spec.block)} axes: its scale groups span rows (per_row)")
     if backend_name(x) == "torch":
         raise TypeError("quantize() takes numpy or jax arrays; use quantize_dequantize() for torch tensors")
     _check_dtype(x)
@@ -167,12 +183,12 @@ def quantize(x: Array, fmt: str) -> QuantizedTensor:
         scale = xp.where(xp.isfinite(amax), _div(xp, amax, spec.top), xp.nan)
         divisor = scale
     elif spec.rule == "nvfp4":
-        total = _amax(xp, g, tuple(range(g.ndim)))
+        total = _amax(xp, g, (-2, -1) if per_row else tuple(range(g.ndim)))
         t = xp.where(xp.isfinite(total), _div(xp, total, spec.top * _E4M3_MAX), xp.nan)
         s = _safe_div(xp, _div(xp, amax, spec.top), t)
         scale = xp.astype(xp.astype(xp.clip(s, 0.0, _E4M3_MAX), ml_dtypes.float8_e4m3fn), xp.float32)
         divisor = scale * t
-        tensor_scale = xp.reshape(t, ())
+        tensor_scale = t if per_row else xp.reshape(t, ())
     else:  # mxfp4: amax = m * 2^e with m in [0.5, 1), so amax / (8 m) = 2^(floor(log2 amax) - 2) exactly
         ok = xp.isfinite(amax) & (amax > 0)
         a = xp.where(ok, amax, 1.0)
@@ -213,6 +229,38 @@ def quantize_dequantize(x: Array, fmt: str) -> Array:
         y = quantize_dequantize(x.detach().to(device="cpu", dtype=torch.float32).numpy(), fmt)
         return torch.from_numpy(y).to(device=x.device, dtype=x.dtype)
     return dequantize(quantize(x, fmt))
+
+
+def quantize_activations(x: Array, fmt: str) -> Array:
+    """A matmul input ``x [..., K]`` (``K`` contracted) rounded as a serving engine's
+    low-precision GEMM reads it: every token (row along ``K``) quantized on its own with scales
+    computed from that row at run time (dynamic), so a token's rounding never depends on the other
+    tokens of the batch. ``fmt`` is one of :data:`ACTIVATION_FORMATS`; ``"none"`` returns ``x``.
+
+    ========== ======================================================== ==========================
+    fmt        scales per token                                         serving counterpart
+    ========== ======================================================== ==========================
+    fp8_e4m3   one, amax / 448                                          FP8 W8A8, per-token dynamic
+    fp8_e4m3fnuz one, amax / 240                                        the same on MI300 (FNUZ)
+    fp8_e4m3_g128 one per 128 elements, amax / 448                      DeepSeek-style 1 x 128
+    int8       one, amax / 127 (symmetric)                              INT8 W8A8, per-token
+    nvfp4      one per 16 elements, E4M3, times one float32 scale       NVFP4 W4A4
+               t = amax_token / (6 * 448)
+    mxfp4      one per 32 elements, E8M0                                MXFP4 W4A4
+    ========== ======================================================== ==========================
+
+    nvfp4's float32 scale is NVFP4's tensor scale with the token as the tensor. Engines load a
+    static, calibrated activation tensor scale instead (checkpoint ``input_scale``); only where the
+    E4M3 block-scale grid sits moves with it (the block scale keeps its 3-bit mantissa either way,
+    unless a block is 28672x below the amax), and a per-token scale keeps the emulation
+    independent of batch composition and of any calibration set. Same shape and dtype out; the
+    arithmetic is float32 (pass float32 to keep the dequantized values unrounded).
+    """
+    if fmt == "none":
+        return x
+    if fmt not in ACTIVATION_FORMATS:
+        raise ValueError(f"unknown activation format {fmt!r}; valid: {', '.join(ACTIVATION_FORMATS)}")
+    return dequantize(quantize(x, fmt, per_row=True))
 
 
 def _spec(fmt: str) -> _Spec:

@@ -72,6 +72,8 @@ class SamplerInfo(BaseModel):
     accelerator: str = Field(min_length=1, description="profile kind, e.g. b200, mi300x, tpu-v6e")
     weight_precision: str = Field(min_length=1, description="e.g. bf16, fp8_e4m3, nvfp4")
     kv_precision: str = Field(min_length=1)
+    activation_precision: str = Field("none", min_length=1,
+                                      description="format of the linear layers' inputs, e.g. fp8_e4m3; none: compute dtype")
     engine: str = Field(min_length=1, description="embedded | sglang | sglang-jax")
     engine_version: str = ""
 

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hetrl.core.precision import FORMATS, quantize_dequantize
+from hetrl.core.precision import ACTIVATION_FORMATS, FORMATS, quantize_activations, quantize_dequantize
 from hetrl.models.config import ModelConfig
 from hetrl.models.hf_io import check_state_dict, load_state_dict
 
@@ -80,6 +80,10 @@ class Numerics:
       back so rounded. Every format's scale groups lie within one token's ``[kvh, hd]`` (per head
       vector, or blocks of it), except nvfp4's float32 tensor scale, which spans the whole write.
       The uncached forward has no cache and is unaffected.
+    * ``activation_format``: a :data:`hetrl.core.precision.ACTIVATION_FORMATS` name applied
+      (:func:`~hetrl.core.precision.quantize_activations`, per token, dynamic scales) to the input
+      of every :class:`Linear` (q/k/v/o, gate/up/down; not the LM head nor attention's own
+      products), as a W8A8 / W4A4 serving GEMM reads it. ``"none"``: the compute dtype.
     * ``reduction_chunks``: ``c > 1`` splits every contraction into ``min(c, n)`` near-equal chunks
       along its contracted dim (length ``n``), computes each chunk's partial result in
       ``accum_dtype`` and adds them left to right (split-K): the same sum in another order.
@@ -92,6 +96,7 @@ class Numerics:
     accum_dtype: Any = jnp.float32
     softmax_dtype: Any = jnp.float32
     kv_format: str = "fp32"
+    activation_format: str = "none"
     reduction_chunks: int = 1
     matmul_precision: str = "highest"
 
@@ -100,6 +105,9 @@ class Numerics:
             raise ValueError(f"reduction_chunks must be >= 1, got {self.reduction_chunks}")
         if self.kv_format not in FORMATS:
             raise ValueError(f"unknown precision format {self.kv_format!r}; valid formats: {', '.join(FORMATS)}")
+        if self.activation_format not in ACTIVATION_FORMATS:
+            raise ValueError(f"unknown activation format {self.activation_format!r}; "
+                             f"valid: {', '.join(ACTIVATION_FORMATS)}")
 
 
 class KVCache(NamedTuple):
@@ -194,7 +202,12 @@ class RMSNorm(nnx.Module):
 class Linear(nnx.Module):
     """``y = x @ kernel (+ bias)``: ``x [B, L, in]``, ``kernel [in, out]``, ``bias [out]``. The
     product comes out in ``accum_dtype``, the bias is added there, the result is cast to
-    ``compute_dtype``."""
+    ``compute_dtype``.
+
+    With ``numerics.activation_format`` set, ``x`` is first rounded per token to that format
+    (float32 values ``code * scale``) and the product takes float32 inputs (the kernel, in the
+    compute dtype, converts exactly): a low-precision GEMM multiplies the codes exactly and
+    applies the scales to the float32 sums, which this equals up to float32 rounding."""
 
     def __init__(self, in_features: int, out_features: int, *, use_bias: bool, column: bool, rngs: nnx.Rngs, param_dtype):
         kernel = jax.random.normal(rngs.params(), (in_features, out_features), param_dtype) * _INIT_STD
@@ -202,7 +215,11 @@ class Linear(nnx.Module):
         self.bias = _param(jnp.zeros((out_features,), param_dtype), PARTITIONING["column_bias"]) if use_bias else None
 
     def __call__(self, x: jax.Array, numerics: Numerics) -> jax.Array:
-        y = contract("bli,io->blo", x, self.kernel[...].astype(numerics.compute_dtype), numerics)
+        kernel = self.kernel[...].astype(numerics.compute_dtype)
+        if numerics.activation_format != "none":
+            x = quantize_activations(x.astype(jnp.float32), numerics.activation_format)
+            kernel = kernel.astype(jnp.float32)
+        y = contract("bli,io->blo", x, kernel, numerics)
         if self.bias is not None:
             y = y + self.bias[...].astype(y.dtype)
         return y.astype(numerics.compute_dtype)

@@ -161,7 +161,11 @@ class ServerOptions(BaseModel):
 
 class PoolConfig(BaseModel):
     """One pool of identical replicas. ``weight_precision`` / ``kv_precision`` default to the
-    profile's defaults and must be native to ``accelerator``; ``price_per_hour_usd`` and
+    profile's defaults and must be native to ``accelerator``; ``activation_precision`` (the
+    format the linear layers' inputs are rounded to per token, or ``none``) defaults to what
+    serving engines ship for that weight format on that kind
+    (:func:`hetrl.samplers.profiles.served_activation_format`: W8A8 for FP8 and GPU INT8 weights,
+    W4A4 for NVFP4, ``none`` otherwise) and must be native too; ``price_per_hour_usd`` and
     ``relative_throughput`` override the profile's (per accelerator). ``endpoints`` (server
     engines only) lists one server base URL per replica; ``sglang-jax`` runs on TPU kinds,
     ``sglang`` on GPU kinds.
@@ -179,6 +183,7 @@ class PoolConfig(BaseModel):
     accelerator: str = Field(description="profile kind: " + ", ".join(CATALOGUE))
     weight_precision: str | None = None
     kv_precision: str | None = None
+    activation_precision: str | None = None
     replicas: int = Field(1, ge=1)
     accelerators_per_replica: int = Field(1, ge=1, description="accelerators one replica occupies (cost)")
     api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
@@ -217,6 +222,18 @@ class PoolConfig(BaseModel):
                              f"(native: {', '.join(native)})")
         return v
 
+    @field_validator("activation_precision")
+    @classmethod
+    def _native_activation(cls, v: str | None, info: ValidationInfo) -> str | None:
+        kind = info.data.get("accelerator")
+        if v is None or kind is None:
+            return v
+        native = CATALOGUE[kind].activation_formats
+        if v not in native:
+            raise ValueError(f"accelerator {kind!r} does not run activation format {v!r} natively "
+                             f"(native: {', '.join(native)})")
+        return v
+
     @model_validator(mode="after")
     def _engine(self) -> "PoolConfig":
         tpu = self.accelerator.startswith("tpu")
@@ -224,6 +241,9 @@ class PoolConfig(BaseModel):
                                           or self.server != ServerOptions()):
             raise ValueError(f"pool {self.name!r}: embedded pools take no endpoints, api_key_env, "
                              "allow_insecure_http or server options")
+        if self.engine != "embedded" and self.activation_precision is not None:
+            raise ValueError(f"pool {self.name!r}: activation_precision sets how the embedded engine computes; a "
+                             f"{self.engine!r} server quantizes activations as its checkpoint and launch flags say")
         if self.engine != "embedded" and len(self.endpoints) != self.replicas:
             raise ValueError(f"pool {self.name!r}: engine {self.engine!r} needs one endpoint per replica "
                              f"({self.replicas} replicas, {len(self.endpoints)} endpoints)")
@@ -258,7 +278,8 @@ class PoolConfig(BaseModel):
                                        ("relative_throughput", self.relative_throughput)) if v is not None}
         profile = get_profile(self.accelerator, **overrides)
         return SamplerNumerics(profile=profile, weight_format=self.weight_precision or profile.default_weight_format,
-                               kv_format=self.kv_precision or profile.default_kv_format)
+                               kv_format=self.kv_precision or profile.default_kv_format,
+                               activation_format=self.activation_precision)
 
 
 class RestartPolicy(BaseModel):

@@ -9,10 +9,23 @@ added in the accumulation dtype, like a split-K kernel; different kinds sum in d
 orders). It also carries a price per accelerator-hour and a relative decode throughput, for the
 fleet's cost accounting.
 
-A pool picks ``profile + weight format + KV format``: :class:`SamplerNumerics`, validated
-against the profile (an fp8 weight on an A100, which has no FP8 tensor cores, is refused with an
-error naming the kind and the format). :meth:`SamplerNumerics.model_numerics` maps it onto the
-JAX model's ``Numerics`` so the embedded sampler really computes with those numerics.
+A pool picks ``profile + weight format + KV format + activation format``:
+:class:`SamplerNumerics`, validated against the profile (an fp8 weight on an A100, which has no
+FP8 tensor cores, is refused with an error naming the kind and the format).
+:meth:`SamplerNumerics.model_numerics` maps it onto the JAX model's ``Numerics`` so the embedded
+sampler really computes with those numerics.
+
+The activation format (:data:`hetrl.core.precision.ACTIVATION_FORMATS`) is what the inputs of the
+linear layers are rounded to, per token with dynamic scales. By default it is what serving engines
+ship for the weight format on that kind (:func:`served_activation_format`): FP8 weights run as
+W8A8 with per-token FP8 activations (vLLM / SGLang on Hopper, Ada, Blackwell; FNUZ on MI300),
+DeepSeek-style 128 x 128 block FP8 weights with 1 x 128 activation groups, NVFP4 as W4A4 on
+Blackwell, INT8 as per-token W8A8 on GPUs; weight-only (``"none"``: activations in the compute
+dtype) for bf16 / fp16 / fp32, for MXFP4 and for the formats a kind's engines run weight-only
+(:attr:`AcceleratorProfile.weight_only_formats`: INT8 on TPUs, where vLLM's ``tpu_int8`` and
+JetStream default to no activation quantization). A kind runs an activation format natively when
+it runs the format's tensor-core type: ``fp8_e4m3`` / ``fp8_e4m3_g128`` where it runs FP8
+weights, the others where it runs the same weight format.
 
 Which parts of the numerics are hardware facts and which are modelling choices:
 
@@ -40,7 +53,7 @@ from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from hetrl.core.precision import FORMATS
+from hetrl.core.precision import ACTIVATION_FORMATS, FORMATS
 from hetrl.core.schema import SamplerInfo
 
 __all__ = [
@@ -51,6 +64,7 @@ __all__ = [
     "REFERENCE_KIND",
     "get_profile",
     "sampler_numerics",
+    "served_activation_format",
     "WEIGHT_FORMAT_SPEEDUP",
 ]
 
@@ -82,10 +96,20 @@ class AcceleratorProfile(BaseModel):
     relative_throughput: float = Field(gt=0.0, allow_inf_nan=False, description="decode tokens/s vs H100 SXM")
     default_weight_format: str = "bf16"
     default_kv_format: str = "bf16"
+    weight_only_formats: tuple[str, ...] = Field((), description="weight formats its engines serve weight-only")
+
+    @property
+    def activation_formats(self) -> tuple[str, ...]:
+        """Activation formats run natively: ``"none"`` and those whose tensor-core type the kind
+        runs (``fp8_e4m3`` and ``fp8_e4m3_g128`` with FP8 E4M3 weights, the others with the same
+        weight format)."""
+        fp8 = "fp8_e4m3" in self.weight_formats
+        return ("none",) + tuple(f for f in ACTIVATION_FORMATS[1:]
+                                 if f in self.weight_formats or (fp8 and f == "fp8_e4m3_g128"))
 
     @model_validator(mode="after")
     def _formats(self) -> "AcceleratorProfile":
-        for name in ("weight_formats", "kv_formats"):
+        for name in ("weight_formats", "kv_formats", "weight_only_formats"):
             unknown = [f for f in getattr(self, name) if f not in FORMATS]
             if unknown:
                 raise ValueError(f"profile {self.kind!r}: {name} has unknown format {unknown[0]!r}; known: {', '.join(FORMATS)}")
@@ -140,12 +164,12 @@ CATALOGUE: dict[str, AcceleratorProfile] = {
         AcceleratorProfile(kind="tpu-v6e", description="Google TPU v6e (Trillium)", weight_formats=("bf16", "int8"),
                            kv_formats=("bf16", "int8"), compute_dtype="bf16", accum_dtype="fp32",
                            softmax_dtype="bf16", reduction_chunks=2, price_per_hour_usd=2.70,
-                           relative_throughput=0.48),
+                           relative_throughput=0.48, weight_only_formats=("int8",)),
         # TPU v5e: bf16 and int8 MXU; 819 GB/s = 0.24x H100. GCP $1.20/chip-h.
         AcceleratorProfile(kind="tpu-v5e", description="Google TPU v5e", weight_formats=("bf16", "int8"),
                            kv_formats=("bf16", "int8"), compute_dtype="bf16", accum_dtype="fp32",
                            softmax_dtype="fp32", reduction_chunks=4, price_per_hour_usd=1.20,
-                           relative_throughput=0.24),
+                           relative_throughput=0.24, weight_only_formats=("int8",)),
     )
 }
 """Every known profile by kind."""
@@ -161,19 +185,41 @@ def get_profile(kind: str, **overrides: Any) -> AcceleratorProfile:
     return AcceleratorProfile.model_validate({**CATALOGUE[kind].model_dump(), **overrides})
 
 
+_SERVED_ACTIVATIONS: dict[str, str] = {"fp8_e4m3": "fp8_e4m3", "fp8_e4m3fnuz": "fp8_e4m3fnuz",
+                                       "fp8_e4m3_block": "fp8_e4m3_g128", "int8": "int8", "nvfp4": "nvfp4"}
+"""Weight format -> the activation format engines pair it with (absent: weight-only)."""
+
+
+def served_activation_format(profile: AcceleratorProfile, weight_format: str) -> str:
+    """The activation format serving engines run with ``weight_format`` on ``profile``'s kind
+    (see the module docstring); ``"none"`` for weight-only serving."""
+    if weight_format in profile.weight_only_formats:
+        return "none"
+    return _SERVED_ACTIVATIONS.get(weight_format, "none")
+
+
 class SamplerNumerics(BaseModel):
-    """A pool's numerics: a profile plus the weight and KV formats it runs, validated against
-    what the profile supports natively."""
+    """A pool's numerics: a profile plus the weight, KV and activation formats it runs, validated
+    against what the profile supports natively. ``activation_format`` None (the default) becomes
+    :func:`served_activation_format` of the weight format on validation."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     profile: AcceleratorProfile
     weight_format: str
     kv_format: str
+    activation_format: str | None = None
 
     @model_validator(mode="after")
     def _native(self) -> "SamplerNumerics":
         p = self.profile
+        if self.activation_format is None and self.weight_format in p.weight_formats:
+            object.__setattr__(self, "activation_format", served_activation_format(p, self.weight_format))
+        if self.activation_format is not None and self.activation_format not in p.activation_formats:
+            raise ValueError(
+                f"accelerator {p.kind!r} does not run activation format {self.activation_format!r} natively "
+                f"(native activation formats: {', '.join(p.activation_formats)})"
+            )
         if self.weight_format not in p.weight_formats:
             raise ValueError(
                 f"accelerator {p.kind!r} does not run weight format {self.weight_format!r} natively "
@@ -211,7 +257,8 @@ class SamplerNumerics(BaseModel):
     def sampler_info(self, pool: str | None = None, engine: str = "embedded", engine_version: str = "") -> SamplerInfo:
         """The :class:`SamplerInfo` rollouts of this pool carry."""
         return SamplerInfo(pool=pool or self.name, accelerator=self.kind, weight_precision=self.weight_format,
-                           kv_precision=self.kv_format, engine=engine, engine_version=engine_version)
+                           kv_precision=self.kv_format, activation_precision=self.activation_format, engine=engine,
+                           engine_version=engine_version)
 
     def model_numerics(self):
         """The JAX model's ``Numerics`` for this pool: compute / accumulation / softmax dtypes of
@@ -224,12 +271,13 @@ class SamplerNumerics(BaseModel):
         p = self.profile
         return Numerics(compute_dtype=dt[p.compute_dtype], accum_dtype=dt[p.accum_dtype],
                         softmax_dtype=dt[p.softmax_dtype], kv_format=self.kv_format,
-                        reduction_chunks=p.reduction_chunks)
+                        activation_format=self.activation_format, reduction_chunks=p.reduction_chunks)
 
 
 def sampler_numerics(kind: str, weight_format: str | None = None, kv_format: str | None = None,
-                     **profile_overrides: Any) -> SamplerNumerics:
-    """``SamplerNumerics`` for a catalogue kind; formats default to the profile's defaults."""
+                     activation_format: str | None = None, **profile_overrides: Any) -> SamplerNumerics:
+    """``SamplerNumerics`` for a catalogue kind; formats default to the profile's defaults, the
+    activation format to what engines serve with the weight format."""
     profile = get_profile(kind, **profile_overrides)
     return SamplerNumerics(profile=profile, weight_format=weight_format or profile.default_weight_format,
-                           kv_format=kv_format or profile.default_kv_format)
+                           kv_format=kv_format or profile.default_kv_format, activation_format=activation_format)
