@@ -146,7 +146,8 @@ def stage_parameters(weights: Mapping[str, np.ndarray], config: ModelConfig, num
 
 def staging_key(config: ModelConfig, numerics: SamplerNumerics) -> tuple:
     """What the staged parameter arrays depend on: the model and the weight and compute formats
-    (replicas of pools that differ only in KV cache, accumulation or split-K share them)."""
+    (replicas of pools that differ only in KV cache, activation, accumulation or split-K numerics
+    share them: those act at run time, not on the stored weights)."""
     return ("embedded", config, numerics.weight_format, numerics.param_format)
 
 
