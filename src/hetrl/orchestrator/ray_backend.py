@@ -18,9 +18,10 @@ finish elsewhere, exactly once.
 Calls travel through Ray's object store with Ray's own serialization, between our own
 processes only. Published weights (HF-named numpy arrays) are put into the object store once
 per version (:class:`hetrl.orchestrator.transport.RayObjectStoreTransport`) and every actor is
-sent the reference, fetching that one copy itself (the driver never relays weights per replica). Actors reserve no CPU
-(``num_cpus=0``) so any number of them share a small machine; the trainer's checkpoints are
-written by its actor to the run folder's ``checkpoints/``, which must be on a disk the driver sees.
+sent the reference, fetching that one copy itself (the driver never relays weights per
+replica). Actors reserve no CPU (``num_cpus=0``) so any number of them share a small machine;
+the trainer's checkpoints are written by its actor to the run folder's ``checkpoints/``, which
+must be on a disk the driver sees.
 
 Ray: ``ray.address`` connects to a running cluster; otherwise a private local instance is
 started (``ray.num_cpus``, files under ``ray.temp_dir`` or a fresh short directory in /tmp,
