@@ -32,6 +32,7 @@ import json
 import os
 import pathlib
 import platform
+import shutil
 import statistics
 import tempfile
 import time
@@ -205,8 +206,9 @@ def main(argv: list[str] | None = None) -> None:
         import ray
 
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private instance on this machine only
-        ray.init(num_cpus=1, _temp_dir=tempfile.mkdtemp(prefix="hetrl-ray-", dir="/tmp"), include_dashboard=False,
-                 object_store_memory=2 << 30, log_to_driver=False)
+        ray_dir = tempfile.mkdtemp(prefix="hetrl-ray-", dir="/tmp")  # Ray's socket paths must stay short
+        ray.init(num_cpus=1, _temp_dir=ray_dir, include_dashboard=False, object_store_memory=2 << 30,
+                 log_to_driver=False)
 
     rows = []
     try:
@@ -238,6 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if with_ray:
             ray.shutdown()
+            shutil.rmtree(ray_dir, ignore_errors=True)
     table = Table(title=f"publish -> every replica serves the new version ({args.replicas} replicas, median of {repeats})")
     for col in ("size", "params", "transport", "format", "sync s", "min s", "quantize s", "floor", "floor s", "x floor"):
         table.add_column(col, justify="right")

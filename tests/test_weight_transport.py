@@ -15,6 +15,7 @@
 """
 
 import os
+import shutil
 import tempfile
 
 import jax
@@ -186,6 +187,7 @@ def test_ray_transport_puts_once_and_each_actor_fetches_by_reference():
             assert np.all(x.policy_version == 2)
     finally:
         ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def test_each_backend_publishes_through_its_transports(tmp_path):
