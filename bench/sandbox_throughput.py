@@ -1,5 +1,6 @@
-"""Graded episodes per second of the code sandbox, before (unshare namespaces) and after
-(bubblewrap's minimal view, cgroup tree limits, seccomp), with where the time goes.
+"""Graded episodes per second of the code sandbox, before and after the minimal view, with where the time goes.
+
+Before: unshare namespaces; after: bubblewrap's minimal view, cgroup tree limits, seccomp.
 
 Grades the reference answer of every real-code function task and repository task
 (``hetrl.envs.tasks_realcode``) with :class:`hetrl.envs.coding.CodingEnv` under each isolation

@@ -103,8 +103,10 @@ def step_flops(config: ModelConfig, rows: int, positions: int) -> float:
 
 
 # ====================================================================== timed work
-def matmul_fns(dtype: str, n: int) -> dict[str, Callable[[], object]]:
-    """``{"jax matmul": fn, "torch matmul": fn}``: one n x n by n x n product each (2 n³ FLOPs)."""
+def matmul_fns(dtype: str, n: int, torch_device: str = "cpu") -> dict[str, Callable[[], object]]:
+    """``{"jax matmul": fn, "torch matmul": fn}``: one n x n by n x n product each (2 n³ FLOPs),
+    JAX on its default device, torch on ``torch_device``; each fn returns once the product is done
+    (on CUDA, torch's asynchronous launch is followed by a synchronize)."""
     import jax
     import jax.numpy as jnp
     import torch
@@ -113,20 +115,26 @@ def matmul_fns(dtype: str, n: int) -> dict[str, Callable[[], object]]:
     a, b = (rng.normal(size=(n, n)).astype(np.float32) for _ in range(2))
     jdt, tdt = {"fp32": (jnp.float32, torch.float32), "bf16": (jnp.bfloat16, torch.bfloat16)}[dtype]
     ja, jb, jmm = jnp.asarray(a, jdt), jnp.asarray(b, jdt), jax.jit(jnp.matmul)
-    ta, tb = torch.from_numpy(a).to(tdt), torch.from_numpy(b).to(tdt)
-    return {"jax matmul": lambda: jmm(ja, jb).block_until_ready(), "torch matmul": lambda: torch.matmul(ta, tb)}
+    ta, tb = (torch.from_numpy(x).to(device=torch_device, dtype=tdt) for x in (a, b))
+    sync = torch.cuda.synchronize if torch.device(torch_device).type == "cuda" else (lambda: None)
+    return {"jax matmul": lambda: jmm(ja, jb).block_until_ready(), "torch matmul": lambda: (torch.matmul(ta, tb), sync())}
 
 
-def step_fns(checkpoint: pathlib.Path, dtype: str, batch) -> dict[str, Callable[[], object]]:
-    """``{"jax": fn, "megatron": fn}``: one ``train_step`` on ``batch`` of a JaxTrainer and a
-    MegatronTrainer built on ``checkpoint`` in ``dtype``."""
+def build_trainers(checkpoint: pathlib.Path, dtype: str) -> dict[str, object]:
+    """``{"jax": JaxTrainer, "megatron": MegatronTrainer}`` built on ``checkpoint`` in ``dtype``
+    (the configurations of the module docstring)."""
     from hetrl.trainer_jax import JaxTrainer, JaxTrainerConfig, MeshConfig
     from hetrl.trainer_megatron import MegatronTrainer, MegatronTrainerConfig
 
     jax_config = JaxTrainerConfig(compute_dtype=dtype, mesh=MeshConfig(data=1, fsdp=1, tensor=1),
                                   correction_preset="hetrl", optimizer=OPTIMIZER)
     megatron_config = MegatronTrainerConfig(bf16=dtype == "bf16", correction_preset="hetrl", optimizer=OPTIMIZER)
-    trainers = {"jax": JaxTrainer.from_hf(checkpoint, jax_config), "megatron": MegatronTrainer.from_hf(checkpoint, megatron_config)}
+    return {"jax": JaxTrainer.from_hf(checkpoint, jax_config), "megatron": MegatronTrainer.from_hf(checkpoint, megatron_config)}
+
+
+def step_fns(trainers: dict[str, object], batch) -> dict[str, Callable[[], object]]:
+    """``{name: fn}``: one ``train_step`` on ``batch`` of each trainer (its metrics are host
+    floats, so the call returns once the step is done)."""
     return {name: (lambda trainer=trainer: trainer.train_step(batch)) for name, trainer in trainers.items()}
 
 
@@ -201,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
         task = progress.add_task("building", total=len(dtypes) * repeats)
         for dtype in dtypes:
             progress.update(task, description=f"{dtype}: building + warm-up")
-            fns = step_fns(checkpoint, dtype, batch) | matmul_fns(dtype, n)
+            fns = step_fns(build_trainers(checkpoint, dtype), batch) | matmul_fns(dtype, n)
             progress.update(task, description=f"{dtype}: interleaved steps and matmuls")
             times = raw[dtype] = time_interleaved(fns, repeats, progress, task)
             peaks[dtype] = {lib: 2.0 * n**3 / statistics.median(times[f"{lib} matmul"]) for lib in ("jax", "torch")}

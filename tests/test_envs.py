@@ -13,7 +13,7 @@ from hetrl.envs.coding import (
     RepoTask,
     extract_code,
     extract_files,
-    json_equal,
+    typed_equal,
 )
 from hetrl.envs.sandbox import Sandbox, SandboxLimits
 from hetrl.envs.tasks_realcode import BROKEN, function_tasks, repo_tasks
@@ -115,7 +115,7 @@ print(json.dumps(out))
     assert res.ok and not res.stdout_truncated, res.stderr[-2000:]
     outputs = json.loads(res.stdout)
     bad = [t.task_id for t, outs in zip(tasks, outputs)
-           if not all(json_equal(o, c.expected) for o, c in zip(outs, t.hidden))]
+           if not all(typed_equal(o, c.expected) for o, c in zip(outs, t.hidden))]
     assert bad == []
 
 
@@ -241,7 +241,7 @@ def test_function_harness_never_holds_the_expected_values(env):
               "    return sorted(spec)\n```")
     grade = env.grade(task, attack)
     assert grade.tested and grade.scored_fraction == 0.0
-    assert grade.visible[0].detail.endswith("got ['cases', 'entry', 'module', 'nonce', 'timeout_s']")
+    assert grade.visible[0].detail.endswith("got ['calls', 'entry', 'max_out_chars', 'module', 'nonce', 'timeout_s']")
 
 
 def test_sandbox_output_is_sanitized_for_the_chat_format(env):
@@ -267,10 +267,15 @@ def test_extract_code_and_files():
     assert len(problems) == 2
 
 
-def test_json_equal():
-    assert json_equal([1, 2.0, {"a": "x"}], [1, 2, {"a": "x"}])
-    assert not json_equal(True, 1) and not json_equal([1], [1, 2]) and not json_equal("1", 1)
-    assert json_equal(0.1 + 0.2, 0.3)
+def test_typed_equal():
+    assert typed_equal([1, 2, {"a": "x"}], [1, 2.0, {"a": "x"}])  # an int answers a float
+    assert not typed_equal([1.0], [1]) and not typed_equal(True, 1) and not typed_equal(1, True)
+    assert not typed_equal([1], [1, 2]) and not typed_equal("1", 1) and not typed_equal((1, 2), [1, 2])
+    assert typed_equal(0.1 + 0.2, 0.3) and not typed_equal(0.31, 0.3)
+    assert typed_equal(0.31, 0.3, rel_tol=0.1) and typed_equal(float("nan"), float("nan"))
+    assert typed_equal({1, (2, "a")}, {(2, "a"), 1}) and not typed_equal({1}, {1.0}) and not typed_equal({1}, frozenset({1}))
+    assert typed_equal({(1, 2): [None]}, {(1, 2): [None]}) and not typed_equal({1: 2}, {True: 2})
+    assert typed_equal(2432902008176640000, 2432902008176640000) and not typed_equal(2432902008176641000, 2432902008176640000)
 
 
 def test_step_result_and_tasks_validate():
@@ -298,7 +303,7 @@ _REPO = dict(task_id="repo-x", family="f", issue="i", files={"pkg/a.py": "x = 1\
     (FunctionTask, {"entry_point": "f x"}, "entry_point\n  String should match pattern"),
     (FunctionTask, {"hidden": []}, "hidden\n  Tuple should have at least 1 item"),
     (FunctionTask, {"visible": [{"args": "abc", "expected": 1}]}, "visible.0.args\n  Input should be a valid tuple"),
-    (FunctionTask, {"hidden": [{"args": [1], "expected": {1, 2}}]}, "hidden.0.expected\n  input was not a valid JSON"),
+    (FunctionTask, {"hidden": [{"args": [1], "expected": object()}]}, "hidden.0.expected\n  Value error, a object cannot be transferred"),
     (FunctionTask, {"solution": "x"}, "solution\n  Extra inputs are not permitted"),
     (RepoTask, {"tests": {"t.py": "import unittest\nclass T(unittest.TestCase:\n"}},
      "task repo-x: test file t.py is not valid Python (line 2"),

@@ -96,7 +96,19 @@ def test_the_scanner_leaves_safe_constructs_alone(snippet):
     assert unsafe_constructs(snippet) == [], snippet
 
 
+#: Modules that execute code on purpose, and what they may use: the trusted grader runs the task
+#: author's test code (HumanEval's ``check(candidate)``, from the task file the user chose), never
+#: the candidate's code (that only ever runs in the sandbox) nor data from a sampler.
+#: The unittest harness runs inside the sandbox, on the grader's pristine copy of the test files.
+EXECUTES_TRUSTED_CODE = {"envs/trusted_check.py": {"compile()", "exec()"},
+                         "envs/_harness_unittest.py": {"compile()", "exec()"}}
+
+
 def test_no_pickle_eval_or_unsafe_loading_anywhere_in_the_source():
-    offenders = {str(p.relative_to(SRC)): found for p in sorted(SRC.rglob("*.py"))
-                 if (found := unsafe_constructs(p.read_text()))}
+    offenders = {}
+    for p in sorted(SRC.rglob("*.py")):
+        allowed = EXECUTES_TRUSTED_CODE.get(str(p.relative_to(SRC)), set())
+        found = [f for f in unsafe_constructs(p.read_text()) if f.split(": ", 1)[1] not in allowed]
+        if found:
+            offenders[str(p.relative_to(SRC))] = found
     assert offenders == {}

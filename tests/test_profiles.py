@@ -61,7 +61,7 @@ def test_unknown_kind_and_format_are_refused():
         get_profile("v100")
     with pytest.raises(ValidationError, match="unknown format 'fp6'"):
         AcceleratorProfile(kind="x", weight_formats=("bf16", "fp6"), kv_formats=("bf16",),
-                           price_per_hour_usd=1.0, relative_throughput=1.0)
+                           price_per_hour_usd=1.0, spot_price_per_hour_usd=0.5, relative_throughput=1.0)
 
 
 def test_overrides_revalidate():

@@ -1,4 +1,4 @@
-"""The ``hetrl`` command line: ``hetrl train|warmstart|parity|experiment|bench|fleet`` (DESIGN §1).
+"""The ``hetrl`` command line: ``hetrl train|warmstart|eval|parity|experiment|bench|fleet`` (DESIGN §1).
 
 ``hetrl train CONFIG [--set KEY=VALUE]... [--trainer jax|megatron] [--backend local|ray] [--resume]
 [--dry-run]`` loads and validates the run config (:mod:`hetrl.config`); with ``--dry-run`` it
@@ -11,8 +11,7 @@ signal exits at once. A problem the user can fix (:class:`hetrl.errors.UserError
 a missing path, a server not running) is one line on stderr and exit status 1.
 Other commands live in their own modules (:data:`COMMANDS`): each exposes
 ``add_arguments(parser)`` and ``run(args) -> exit code`` and imports its heavy dependencies only
-inside ``run``. The rest says plainly when its machinery has not landed yet instead of
-pretending to run.
+inside ``run``.
 """
 
 from __future__ import annotations
@@ -28,11 +27,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "warmstart": ("hetrl.warmstart.command", "train the tiny policy from scratch on solved tasks (the RL starting point)"),
     "parity": ("hetrl.parity", "cross-backend numerical parity on one checkpoint (log-probs, loss, AdamW update)"),
     "experiment": ("hetrl.experiment.command", "run an experiment grid (arms x seeds) and write its report"),
+    "eval": ("hetrl.eval_command", "evaluate a checkpoint on a task set: pass@k, per-task results (--tasks humaneval|FILE|...)"),
     "bench": ("hetrl.bench_command", "run a benchmark of the repository's bench/ (--list names them; NAME --quick)"),
-}
-
-NOT_YET = {
-    "fleet": "fleet inspection (needs the samplers)",
+    "fleet": ("hetrl.fleet_sim.command", "simulate a fleet at cluster scale, or plan the cheapest one for a target"),
 }
 
 
@@ -54,8 +51,6 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--dry-run", action="store_true", help="print the resolved config as YAML and exit")
     for name, (module, help_text) in COMMANDS.items():
         importlib.import_module(module).add_arguments(sub.add_parser(name, help=help_text))
-    for name, help_text in NOT_YET.items():
-        sub.add_parser(name, help=help_text)
     return parser
 
 
@@ -116,10 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "train":
         return _train(args)
-    if args.command in COMMANDS:
-        return importlib.import_module(COMMANDS[args.command][0]).run(args)
-    print(f"hetrl {args.command}: not available yet: {NOT_YET[args.command]} has not landed.", file=sys.stderr)
-    return 2
+    return importlib.import_module(COMMANDS[args.command][0]).run(args)
 
 
 if __name__ == "__main__":

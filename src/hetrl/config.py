@@ -52,8 +52,7 @@ from hetrl.errors import UserError
 from hetrl.core.checkpoints import CheckpointConfig
 from hetrl.core.correction import CorrectionConfig, correction_preset
 from hetrl.core.schema import SamplingParams
-from hetrl.envs.coding import CodingEnvConfig
-from hetrl.envs.options import SyntheticEnvOptions
+from hetrl.envs.options import CodingEnvOptions, SyntheticEnvOptions
 from hetrl.samplers.fleet import FleetConfig
 from hetrl.trainer_megatron.config import MegatronTrainerConfig, OptimizerSettings, ParallelConfig
 from hetrl.warmstart.config import WarmstartConfig
@@ -226,11 +225,12 @@ class SyntheticEnvironmentSection(_Strict):
 
 
 class CodingEnvironmentSection(_Strict):
-    """``name: coding``: the coding environment on a task source of the cluster's own;
-    ``options``: its :class:`CodingEnvConfig` (e.g. ``max_turns``)."""
+    """``name: coding``: the coding environment on task sets from files (HumanEval- or
+    MBPP-format JSONL) or by name; ``options``: :class:`CodingEnvOptions` (``train``,
+    ``heldout``, ``eval``, ``coding``)."""
 
     name: Literal["coding"]
-    options: CodingEnvConfig = CodingEnvConfig()
+    options: CodingEnvOptions
 
 
 def _environment_name(data: Any) -> str | None:

@@ -1,18 +1,20 @@
 """Function-test harness, run as the sandbox program by :mod:`hetrl.envs.coding` (stdlib only).
 
-Input (stdin, JSON): ``{"nonce", "module", "entry", "cases": [[arg, ...], ...], "timeout_s"}``.
-It imports ``module`` from the run directory, calls ``entry(*args)`` for every case and writes one
-line per case to the *original* stdout: ``NONCE {"i": i, "out": value}`` or
+Input (stdin, JSON): ``{"nonce", "module", "entry", "calls": [call, ...], "timeout_s",
+"max_out_chars"}`` where each call is the typed encoding (``_hetrl_typed``, a copy of
+:mod:`hetrl.envs.typed` in the run directory) of an ``(args, kwargs)`` pair. It imports ``module``
+from the run directory, calls ``entry(*args, **kwargs)`` for every call and writes one line per
+call to the *original* stdout: ``NONCE {"i": i, "out": <typed encoding>}`` or
 ``NONCE {"i": i, "error": "Type: message"}``, or once ``NONCE {"load_error": ...}``. The
-candidate's own prints go to stderr. Expected values never enter the sandbox: the parent compares.
+candidate's own prints go to stderr. Expected values never enter the sandbox, and nothing here
+decides a reward: the grader decodes the typed values and compares them (or hands them to trusted
+test code) in its own process.
 """
 
 import json
 import os
 import signal
 import sys
-
-MAX_OUT_CHARS = 2_000
 
 
 class _Timeout(BaseException):  # not an Exception: a candidate's `except Exception` cannot eat it
@@ -41,6 +43,8 @@ def main():
         results.flush()
 
     sys.path.insert(0, os.getcwd())
+    import _hetrl_typed as typed
+
     signal.signal(signal.SIGALRM, _on_alarm)
     try:
         signal.setitimer(signal.ITIMER_REAL, spec["timeout_s"])
@@ -51,21 +55,22 @@ def main():
         signal.setitimer(signal.ITIMER_REAL, 0)
         emit({"load_error": _describe(exc)})
         return
-    for i, args in enumerate(spec["cases"]):
+    for i, call in enumerate(spec["calls"]):
+        args, kwargs = typed.decode(call)
         try:
             signal.setitimer(signal.ITIMER_REAL, spec["timeout_s"])
-            out = fn(*args)
+            out = fn(*args, **kwargs)
             signal.setitimer(signal.ITIMER_REAL, 0)
         except BaseException as exc:
             signal.setitimer(signal.ITIMER_REAL, 0)
             emit({"i": i, "error": _describe(exc)})
             continue
         try:
-            text = json.dumps(out)
-        except (TypeError, ValueError, RecursionError):
-            emit({"i": i, "error": f"ReturnValueError: cannot compare a {type(out).__name__}"})
+            text = json.dumps(typed.encode(out), separators=(",", ":"))
+        except Exception as exc:  # not transferable, too deep, or a value whose methods raise
+            emit({"i": i, "error": f"ReturnValueError: {_describe(exc)}"})
             continue
-        if len(text) > MAX_OUT_CHARS:
+        if len(text) > spec["max_out_chars"]:
             emit({"i": i, "error": "ReturnValueError: the return value is too large"})
         else:
             results.write(f'{nonce} {{"i": {i}, "out": {text}}}\n')

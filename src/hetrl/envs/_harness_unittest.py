@@ -1,15 +1,25 @@
 """Unit-test harness, run as the sandbox program by :mod:`hetrl.envs.coding` (stdlib only).
 
-Input (stdin, JSON): ``{"nonce", "files": ["tests/test_x.py", ...], "timeout_s"}``. It loads each
-test file as module ``tests.test_x`` (the run directory first on ``sys.path``), runs its tests
-with :mod:`unittest`, each under a time limit, and writes one line per test to the *original*
-stdout: ``NONCE {"id": "tests.test_x.Class.test_y", "status": "pass|fail|error|skip",
-"message": ...}``; a file that does not load gives ``{"file": ..., "status": "error", ...}``.
-The code under test prints to stderr. The tests run in the same process as the candidate code,
-so a candidate that deliberately tampers with the runner could forge results (see coding.py).
+Input (stdin, JSON): ``{"nonce", "tests": {"tests/test_x.py": source, ...}, "timeout_s"}``. The test
+sources come from the grader's pristine copy, in memory: they are read here before any of the
+candidate's code loads and run from that copy, whatever the candidate writes to disk (hidden test
+files are never on disk at all). For each file this process, which never imports the candidate's
+code, forks a child that loads the file as module ``tests.test_x`` (the run directory first on
+``sys.path``), runs its tests with :mod:`unittest`, each under a time limit, and sends one record
+per test through a pipe: ``{"id": "tests.test_x.Class.test_y", "status":
+"pass|fail|error|skip", "message": ...}`` (or ``{"file": ..., "status": "error", ...}`` when the
+file does not load). The parent relays the first record per test id to the *original* stdout as
+``NONCE <record>``. A child has no descriptor of that stdout (its output goes to stderr), and this
+process is made non-dumpable first, so a child cannot reach the parent's descriptors through
+``/proc``: what the candidate's code can forge is the records of the tests that run in its own
+process. The grader's canary tests (appended to the sources) detect the usual ways of doing that
+(patching ``unittest``, reporting every test passed), and ``assertEqual`` refuses a value whose own
+``__eq__`` would decide a comparison with a plain value. Residual risk: code in the test's process
+that tells the canaries apart (they are in the sources it can read) and forges only the other
+tests' records, or undoes the guard, or answers a bare ``assert x == y`` with such an object.
 """
 
-import importlib.util
+import ctypes
 import json
 import os
 import signal
@@ -18,6 +28,7 @@ import traceback
 import unittest
 
 MAX_MESSAGE_CHARS = 600
+PR_SET_DUMPABLE = 4
 
 
 class _Timeout(BaseException):  # not an Exception: a candidate's `except Exception` cannot eat it
@@ -72,43 +83,112 @@ def _iter_tests(suite):
             yield item
 
 
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, list, tuple, dict, set, frozenset)
+
+
+def _candidate_class(cls, test_module):
+    """Whether ``cls`` was defined by the candidate: in a module loaded from the run directory
+    other than the test file (the standard library's ``Decimal`` or ``Fraction`` are not)."""
+    if cls.__module__ == test_module:
+        return False
+    path = getattr(sys.modules.get(cls.__module__), "__file__", None) or ""
+    return path.startswith(os.getcwd() + os.sep)
+
+
+def _guard_assert_equal(test_module):
+    """``assertEqual(x, plain)`` refuses an ``x`` of a class the candidate defined whose own
+    ``__eq__`` would decide the comparison (an object whose ``__eq__`` is always true, an ``int``
+    subclass that says so): such an ``x`` must be a subclass of the plain value's type keeping its
+    ``__eq__``."""
+    original = unittest.TestCase.assertEqual
+
+    def assert_equal(self, first, second, msg=None):
+        for a, b in ((first, second), (second, first)):
+            if type(b) in _PLAIN and type(a) is not type(b) and _candidate_class(type(a), test_module) \
+                    and getattr(type(a), "__eq__", None) is not getattr(type(b), "__eq__", None):
+                raise self.failureException(f"{type(a).__name__} compared with a {type(b).__name__} by its own __eq__")
+        return original(self, first, second, msg)
+
+    unittest.TestCase.assertEqual = assert_equal
+
+
+def _run_file(path, source, timeout_s, send):
+    """In the child: load one test file from its pristine ``source`` and run its tests."""
+    name = path[:-3].replace("/", ".")
+    _guard_assert_equal(name)
+    signal.signal(signal.SIGALRM, _on_alarm)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, timeout_s)
+        module = type(sys)(name)
+        module.__file__ = os.path.join(os.getcwd(), path)
+        sys.modules[name] = module
+        exec(compile(source, path, "exec"), module.__dict__)
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        tests = list(_iter_tests(unittest.defaultTestLoader.loadTestsFromModule(module)))
+    except BaseException as exc:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        send({"file": path, "status": "error", "message": _short(f"{type(exc).__name__}: {exc}")})
+        return
+    for test in tests:
+        recorder = _Recorder()
+        try:
+            signal.setitimer(signal.ITIMER_REAL, timeout_s)
+            test.run(recorder)
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        except BaseException as exc:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            recorder.outcomes.setdefault(test.id(), ("error", _short(f"{type(exc).__name__}: {exc}")))
+        status, message = recorder.outcomes.get(test.id(), ("error", "no outcome recorded"))
+        send({"id": test.id(), "status": status, "message": message})
+
+
 def main():
     spec = json.loads(sys.stdin.read())
+    try:
+        ctypes.CDLL(None).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # no prctl: a child can open this process's descriptors through /proc
     results = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)
     nonce = spec["nonce"]
-
-    def emit(record):
-        results.write(f"{nonce} {json.dumps(record)}\n")
-        results.flush()
-
     sys.path.insert(0, os.getcwd())
-    signal.signal(signal.SIGALRM, _on_alarm)
-    for path in spec["files"]:
-        name = path[:-3].replace("/", ".")
-        try:
-            signal.setitimer(signal.ITIMER_REAL, spec["timeout_s"])
-            module_spec = importlib.util.spec_from_file_location(name, path)
-            module = importlib.util.module_from_spec(module_spec)
-            sys.modules[name] = module
-            module_spec.loader.exec_module(module)
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            tests = list(_iter_tests(unittest.defaultTestLoader.loadTestsFromModule(module)))
-        except BaseException as exc:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            emit({"file": path, "status": "error", "message": _short(f"{type(exc).__name__}: {exc}")})
-            continue
-        for test in tests:
-            recorder = _Recorder()
+    for path, source in spec["tests"].items():
+        read_end, write_end = os.pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the child: no descriptor of the results stream, nothing of the nonce kept
             try:
-                signal.setitimer(signal.ITIMER_REAL, spec["timeout_s"])
-                test.run(recorder)
-                signal.setitimer(signal.ITIMER_REAL, 0)
-            except BaseException as exc:
-                signal.setitimer(signal.ITIMER_REAL, 0)
-                recorder.outcomes.setdefault(test.id(), ("error", _short(f"{type(exc).__name__}: {exc}")))
-            status, message = recorder.outcomes.get(test.id(), ("error", "no outcome recorded"))
-            emit({"id": test.id(), "status": status, "message": message})
+                os.close(read_end)
+                results.close()
+                nonce = None
+                channel = os.fdopen(write_end, "w", encoding="utf-8")
+
+                def send(record):
+                    channel.write(json.dumps(record) + "\n")
+                    channel.flush()
+
+                _run_file(path, source, spec["timeout_s"], send)
+            finally:
+                os._exit(0)
+        os.close(write_end)
+        seen = set()
+        module = path[:-3].replace("/", ".") + "."
+        with os.fdopen(read_end, "r", encoding="utf-8", errors="replace") as channel:
+            for line in channel:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if not isinstance(record, dict):
+                    continue
+                key = record.get("id", record.get("file"))
+                mine = key == path if "id" not in record else isinstance(key, str) and key.startswith(module)
+                if mine and key not in seen:  # the first record of each of this file's tests only
+                    seen.add(key)
+                    results.write(f"{nonce} {json.dumps(record)}\n")
+                    results.flush()
+        os.waitpid(pid, 0)
 
 
 if __name__ == "__main__":

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from hetrl.envs.agent import AgentEnvConfig
 from hetrl.envs.coding import CodingEnvConfig
 from hetrl.envs.tasks_synthetic import SuiteConfig
 
-__all__ = ["EvalOptions", "SyntheticEnvOptions"]
+__all__ = ["EvalOptions", "SyntheticEnvOptions", "CodingEnvOptions"]
 
 
 class EvalOptions(BaseModel):
@@ -46,3 +47,22 @@ class SyntheticEnvOptions(BaseModel):
     suite: SuiteConfig | None = None
     eval: EvalOptions = EvalOptions()
     coding: CodingEnvConfig = CodingEnvConfig()
+
+
+class CodingEnvOptions(BaseModel):
+    """``environment.options`` of ``name: coding``: task sets from files or by name (sources of
+    :func:`hetrl.envs.task_files.load_tasks`: ``humaneval``, ``realcode``, a HumanEval/MBPP JSONL
+    file...). ``train``: the tasks trained on, in passes; ``heldout``: the evaluation tasks (None:
+    ``heldout_fraction`` of ``train``'s tasks, drawn by the run's seed, are held out of training);
+    ``eval`` and ``coding`` as for ``synthetic``; ``agent``: play the (repository) tasks through
+    tool calls (:class:`hetrl.envs.agent.AgentRepoEnv`) instead of whole-file answers. Relative
+    file paths are relative to the working directory."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    train: str = Field(min_length=1)
+    heldout: str | None = None
+    heldout_fraction: float = Field(0.1, gt=0, lt=1)
+    eval: EvalOptions = EvalOptions()
+    coding: CodingEnvConfig = CodingEnvConfig()
+    agent: AgentEnvConfig | None = None

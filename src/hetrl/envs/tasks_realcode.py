@@ -133,6 +133,35 @@ def function_tasks() -> tuple[FunctionTask, ...]:
                 return not stack
             ''',
         ),
+        _function_task(
+            "fn-factorial", "factorial(n: int) -> int",
+            """
+            n! for n >= 0, exactly (Python ints have no size limit).
+            """,
+            visible=[((5,), 120), ((0,), 1)],
+            hidden=[((1,), 1), ((10,), 3628800), ((20,), 2432902008176640000),
+                    ((25,), 15511210043330985984000000)],
+            reference='''
+            def factorial(n: int) -> int:
+                out = 1
+                for k in range(2, n + 1):
+                    out *= k
+                return out
+            ''',
+        ),
+        _function_task(
+            "fn-min-max", "min_max(xs: list[int]) -> tuple[int, int]",
+            """
+            The smallest and the largest element of a non-empty list, as a tuple (smallest, largest).
+            """,
+            visible=[(([3, 1, 2],), (1, 3)), (([7],), (7, 7))],
+            hidden=[(([-1, -5],), (-5, -1)), (([0, 0, 0],), (0, 0)), (([9, -9, 4, 2],), (-9, 9)),
+                    (([3, 1, 2],), (1, 3))],
+            reference='''
+            def min_max(xs: list[int]) -> tuple[int, int]:
+                return min(xs), max(xs)
+            ''',
+        ),
     )
 
 
@@ -488,6 +517,17 @@ BROKEN: dict[str, tuple[str, ...]] = {
                 else:
                     merged.append([start, end])
             return merged
+        '''),),
+    "fn-factorial": (_fence('''
+        def factorial(n: int) -> int:
+            out = 1
+            for k in range(2, n):
+                out *= k
+            return out
+        '''),),
+    "fn-min-max": (_fence('''
+        def min_max(xs: list[int]) -> tuple[int, int]:
+            return [min(xs), max(xs)]
         '''),),
     "fn-roman-to-int": (_fence('''
         def roman_to_int(s: str) -> int:

@@ -46,6 +46,7 @@ class _Episode:
     finish_reason: str = "length"
     turns: int = 0
     solved: bool = False
+    tampered: bool = False
     sampler: object = None
 
     @property
@@ -164,14 +165,14 @@ class EpisodeRunner:
         result = ep.env.step(self.decode(tokens.tolist()))
         if result.done:
             ep.done, ep.reward = True, float(result.reward)
-            ep.solved = _solved(result.info)
+            ep.solved, ep.tampered = _solved(result.info), bool(result.info.get("tampered"))
             return
         extra = [] if tokens.size and int(tokens[-1]) == self.chat.im_end_id else [self.chat.im_end_id]
         env_ids = np.asarray(extra + self.chat.env_tokens(result.observation), np.int32)
         if ep.context.shape[0] + env_ids.shape[0] + self.max_new_tokens > self.max_length:
             grade = ep.env.grade(task, self.decode(tokens.tolist()))  # context exhausted: grade the last answer
             ep.done, ep.reward = True, float(grade.reward(ep.env.config.format_weight))
-            ep.solved = _solved(grade.info())
+            ep.solved, ep.tampered = _solved(grade.info()), bool(grade.info().get("tampered"))
             return
         last_version = int(g.policy_version[-1]) if len(g.policy_version) else 0
         ep.pieces.append((env_ids, False, np.zeros(env_ids.shape[0], np.float32),
@@ -206,7 +207,7 @@ class EpisodeRunner:
         return Rollout(rollout_id=rollout_id, group_id=group_id, prompt_ids=ep.prompt, response_ids=ids,
                        loss_mask=mask, sampler_logprobs=lps, policy_version=vers, reward=ep.reward,
                        finish_reason=ep.finish_reason, sampling=sampling, sampler=ep.sampler, support=support,
-                       timings={"turns": float(ep.turns), "solved": float(ep.solved)})
+                       timings={"turns": float(ep.turns), "solved": float(ep.solved), "tampered": float(ep.tampered)})
 
 
 def _solved(info: dict) -> bool:

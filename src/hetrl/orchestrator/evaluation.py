@@ -8,10 +8,19 @@ For tasks ``T_1..T_n`` each episode is played to the end by :meth:`EpisodeRunner
 
 also per tier (``success/tier<k>``) when tasks carry one. Episodes whose environment failed
 count as unsolved with reward 0, so the denominator is always ``n``.
+
+:func:`pass_at_k` is the unbiased estimator of pass@k (Chen et al. 2021, *Evaluating Large
+Language Models Trained on Code*): with ``n`` episodes of a task of which ``c`` solved it,
+
+    pass@k = 1 - C(n - c, k) / C(n, k) = 1 - Π_{i = n - c + 1}^{n} (1 - k / i)     (k <= n)
+
+the probability that ``k`` episodes drawn without replacement from the ``n`` hold a solved one.
 """
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
 import numpy as np
@@ -22,19 +31,37 @@ from hetrl.orchestrator.episodes import EpisodeRunner
 from hetrl.samplers.base import Sampler
 from hetrl.stopping import Stopped
 
-__all__ = ["evaluate_tasks"]
+__all__ = ["evaluate_tasks", "pass_at_k"]
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k of a task with ``c`` of ``n`` episodes solved (module docstring);
+    ValueError unless ``0 <= c <= n`` and ``1 <= k <= n``."""
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
 
 
 def evaluate_tasks(runner: EpisodeRunner, sampler: Sampler, tasks: Sequence[Task], sampling: SamplingParams,
                    *, prefix: str = "eval", batch: int = 16, episodes: list[dict] | None = None,
                    stop: Callable[[], bool] | None = None,
-                   progress: Callable[[int, int], None] | None = None) -> dict[str, float]:
+                   progress: Callable[[int, int], None] | None = None, workers: int = 1) -> dict[str, float]:
     """``{"success", "reward", "tasks", "success/tier<k>"...}`` of ``tasks`` (see the module
     docstring); first turns are generated ``batch`` tasks per call. ``episodes``, if given, gets
     one record per episode: ``task_id``, ``prompt`` and ``completion`` (decoded text; the
     completion holds every turn, environment feedback included), ``reward``, ``success``. Raises
     :class:`~hetrl.stopping.Stopped` between batches once ``stop()`` is true. ``progress(done,
-    total)`` is called before the first batch and after each (episodes finished of ``len(tasks)``)."""
+    total)`` is called before the first batch and after each (episodes finished of ``len(tasks)``).
+    ``workers``: episodes of a batch played at once after their first turn (their sandboxes run in
+    parallel; later turns' generation calls take turns on the sampler)."""
+    lock = threading.Lock()
+
+    def continue_fn(requests):
+        with lock:
+            return sampler.generate(requests)
+
     solved: list[bool] = []
     rewards: list[float] = []
     tiers: list[int | None] = []
@@ -46,8 +73,14 @@ def evaluate_tasks(runner: EpisodeRunner, sampler: Sampler, tasks: Sequence[Task
         chunk = tasks[start: start + batch]
         prompts = [runner.prompt_ids(t) for t in chunk]
         requests = [runner.requests(f"{prefix}-{start + i}", p, 1, sampling)[0] for i, p in enumerate(prompts)]
-        for i, (task, prompt, first) in enumerate(zip(chunk, prompts, sampler.generate(requests))):
-            out = runner.run_group(f"{prefix}-{start + i}", task, prompt, [first], sampling, sampler.generate)
+        firsts = list(sampler.generate(requests))
+
+        def play(i: int):
+            return runner.run_group(f"{prefix}-{start + i}", chunk[i], prompts[i], [firsts[i]], sampling, continue_fn)
+
+        with ThreadPoolExecutor(max(1, workers)) as pool:
+            outs = list(pool.map(play, range(len(chunk))))
+        for task, prompt, first, out in zip(chunk, prompts, firsts, outs):
             solved.append(bool(out.solved and out.solved[0]))
             rewards.append(float(out.rollouts[0].reward) if out.rollouts else 0.0)
             tiers.append(getattr(task, "tier", None))

@@ -41,7 +41,8 @@ embedded engine has no mid-turn cancel), so abort saves the later turns, not tha
 **Feeding and pacing.** Prompts cycle through the train functions of the synthetic coding suite,
 reshuffled every pass by ``seed``, each pass with fresh examples and hidden tests
 (:class:`hetrl.orchestrator.tasks.TaskSource`), so the policy learns to read examples, not one
-instance. Every group's state is recorded once, in the :class:`hetrl.orchestrator.ledger.GroupLedger`
+instance; with ``environment.name: coding`` they cycle through the train tasks of its task files
+(every pass the same tasks, reshuffled; :func:`hetrl.envs.task_files.task_splits`). Every group's state is recorded once, in the :class:`hetrl.orchestrator.ledger.GroupLedger`
 (only live groups hold memory, so a long run's memory does not grow with its passes). At
 most ``(max_staleness + 1) * batch_groups`` groups are outstanding (submitted and not yet trained
 or dropped, buffered ones included; a trained batch stops counting once its step is published), so
@@ -109,9 +110,11 @@ from hetrl.core.admission import RolloutGate
 from hetrl.core.buffer import RolloutBuffer, RolloutGroup
 from hetrl.core.schema import SamplingParams, collate
 from hetrl.envs.base import ChatFormat, Task
+from hetrl.envs.agent import AgentRepoEnv
 from hetrl.envs.coding import CodingEnv
-from hetrl.envs.options import EvalOptions, SyntheticEnvOptions
-from hetrl.envs.sandbox import Sandbox
+from hetrl.envs.options import CodingEnvOptions, EvalOptions, SyntheticEnvOptions
+from hetrl.envs.sandbox import DEFAULT_HIDDEN, Sandbox
+from hetrl.envs.task_files import hidden_paths, task_splits
 from hetrl.envs.tasks_synthetic import SuiteConfig, synthetic_suite
 from hetrl.models.config import ModelConfig
 from hetrl.models.resolve import resolve_model
@@ -232,7 +235,7 @@ class AsyncOrchestrator(abc.ABC):
 
     def __init__(self, config: RunConfig, *, wrap_sampler: SamplerWrapper | None = None, console: bool | None = None):
         check_runnable(config)
-        self.options: SyntheticEnvOptions = config.environment.options
+        self.options: SyntheticEnvOptions | CodingEnvOptions = config.environment.options
         self.trainer_config = config.trainer_config(world_size=TRAINER_RANKS)
         self.config = config
         self.wrap_sampler = wrap_sampler
@@ -299,16 +302,25 @@ class AsyncOrchestrator(abc.ABC):
         tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
         self.chat = ChatFormat.from_tokenizer(tokenizer)
         stops = tuple(dict.fromkeys(i for i in (self.chat.im_end_id, self.model_config.eos_token_id) if i is not None))
-        sandbox = Sandbox(self.options.coding.limits, require=self.options.coding.require_isolation)
         coding = self.options.coding
+        if isinstance(self.options, CodingEnvOptions):  # task sets from files; their data hidden from the sandbox
+            sources = [s for s in (self.options.train, self.options.heldout) if s is not None]
+            suite = task_splits(self.options.train, self.options.heldout, self.options.heldout_fraction, cfg.seed,
+                                repo_only=self.options.agent is not None)
+            hidden = tuple(p for s in sources for p in hidden_paths(s))
+            agent = self.options.agent
+        else:
+            suite = synthetic_suite(self.options.suite or (cfg.model.warmstart.suite if cfg.model.warmstart
+                                                           else SuiteConfig(seed=cfg.seed)))
+            hidden, agent = (), None
+        sandbox = Sandbox(coding.limits, require=coding.require_isolation, hidden=DEFAULT_HIDDEN + hidden)
         self.runner = EpisodeRunner(
             self.chat, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-            lambda: CodingEnv(coding, sandbox), max_new_tokens=cfg.async_.max_new_tokens,
+            (lambda: AgentRepoEnv(agent, coding, sandbox)) if agent else (lambda: CodingEnv(coding, sandbox)),
+            max_new_tokens=cfg.async_.max_new_tokens,
             max_length=self.model_config.max_position_embeddings, vocab_size=self.model_config.vocab_size,
             stop_token_ids=stops,
         )
-        suite = synthetic_suite(self.options.suite or (cfg.model.warmstart.suite if cfg.model.warmstart
-                                                       else SuiteConfig(seed=cfg.seed)))
         self.suite = suite
         self.eval_tasks = suite.heldout[: self.options.eval.tasks]
 
@@ -666,6 +678,7 @@ class AsyncOrchestrator(abc.ABC):
                     }
                     last_time, last_gen_tokens = now, gen_tokens
                     record["rollout/solved"] = float(np.mean([r.timings.get("solved", 0.0) for r in rollouts]))
+                    record["rollout/tampered"] = float(np.mean([r.timings.get("tampered", 0.0) for r in rollouts]))
                     if eval_every and (self.trainer.version % eval_every == 0 or self.trainer.version == cfg.steps):
                         record.update(self._evaluate(weights))
                     if self.trainer.save(force=False):

@@ -11,6 +11,7 @@ path that is not there, outputs on an object store. :func:`runnable_problems` li
 from __future__ import annotations
 
 import math
+import pathlib
 
 from hetrl.config import ConfigError, RunConfig
 from hetrl.models.resolve import check_model_path
@@ -62,13 +63,22 @@ def _path_problems(config: RunConfig) -> list[str]:
     return problems
 
 
+def _environment_problems(config: RunConfig) -> list[str]:
+    """Task sets of ``name: coding`` that are neither a named set nor an existing file or directory."""
+    from hetrl.envs.task_files import NAMED_SOURCES
+
+    if config.environment.name != "coding":
+        return []
+    options = config.environment.options
+    return [f"environment.options.{key}: no task set {source!r}: name one of {', '.join(NAMED_SOURCES)}, an "
+            f"existing .jsonl file or a repository-task directory"
+            for key, source in (("train", options.train), ("heldout", options.heldout))
+            if source is not None and source not in NAMED_SOURCES and not pathlib.Path(source).exists()]
+
+
 def runnable_problems(config: RunConfig) -> list[str]:
     """Every reason the loop would refuse ``config`` (empty: it would start), each with its fix."""
-    problems = []
-    if config.environment.name != "synthetic":
-        problems.append(f"environment.name: the loop runs 'synthetic' only for now, not "
-                        f"{config.environment.name!r}; set environment: {{name: synthetic}}")
-    return problems + _trainer_problems(config) + _path_problems(config)
+    return _environment_problems(config) + _trainer_problems(config) + _path_problems(config)
 
 
 def check_runnable(config: RunConfig, source: str = "the config") -> None:

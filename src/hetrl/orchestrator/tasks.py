@@ -5,7 +5,8 @@ generator, with the examples and hidden tests of :meth:`SyntheticSuite.train_pas
 ids suffixed ``@<e>`` for ``e >= 1``). Memory stays flat over passes: the source holds the tasks
 of the current pass and their prompt ids only; a task of another pass (a group submitted again,
 or in flight at the checkpoint a run resumes from) is rebuilt from its id (:meth:`resolve`;
-the last such pass is kept).
+the last such pass is kept). Fixed task sets (:class:`~hetrl.envs.task_files.TaskSplits`, of
+``environment.name: coding``) have the same tasks, under the same ids, in every pass.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from hetrl.envs.base import Task
+from hetrl.envs.task_files import TaskSplits
 from hetrl.envs.tasks_synthetic import SyntheticSuite
 
 __all__ = ["TaskSource"]
@@ -24,7 +26,7 @@ class TaskSource:
     """Train tasks of ``suite`` in passes (see the module docstring), the order drawn from
     ``rng``; ``prompt_ids(task)`` tokenizes a task's prompt (cached per current-pass task)."""
 
-    def __init__(self, suite: SyntheticSuite, rng: np.random.Generator, prompt_ids: Callable[[Task], np.ndarray]):
+    def __init__(self, suite: SyntheticSuite | TaskSplits, rng: np.random.Generator, prompt_ids: Callable[[Task], np.ndarray]):
         self.suite, self._rng, self._prompt_ids = suite, rng, prompt_ids
         self._order: list[int] = []
         self.passes = 0

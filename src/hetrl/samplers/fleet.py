@@ -42,10 +42,22 @@ already running are discarded), and the reason is logged and kept in :attr:`Flee
 ``jobs``, ``tokens`` (generated), ``errors``, ``requeues`` (jobs sent back), ``busy_s``
 (summed busy time of the replicas: wall time of ``generate`` calls, or modelled from tokens and
 throughput, see :class:`FleetConfig`), ``replicas_alive``, ``restarts``; mismatch metrics
-aggregated over training steps (:meth:`Fleet.record_mismatch`); cost ``cost/usd =
-price_per_hour x accelerators_per_replica x busy hours``, ``trained_tokens``
-(:meth:`Fleet.record_trained`) and ``cost/usd_per_trained_token``, ``quarantined`` (0 or 1);
-fleet totals under ``fleet/``.
+aggregated over training steps (:meth:`Fleet.record_mismatch`); cost two ways: on busy time,
+``cost/usd = price_per_hour x accelerators_per_replica x busy hours``, and on rented time,
+``cost/rented_usd`` (the same price x ``rented_s``: the wall time every replica has been held
+since the fleet was built, idle, dead or quarantined included, until :meth:`Fleet.close`),
+with ``price_per_hour`` the pool's on-demand or spot price (``PoolConfig.price``);
+``trained_tokens`` (:meth:`Fleet.record_trained`), ``cost/usd_per_trained_token`` and
+``cost/rented_usd_per_trained_token``, ``idle_fraction`` (``1 - busy_s / rented_s``),
+``quarantined`` (0 or 1); fleet totals under ``fleet/``. Rented time is wall time, so it and
+``idle_fraction`` compare with busy time on the ``wall`` cost clock (real accelerators, or
+embedded pools under ``pacing: modelled``); on the ``modelled`` clock busy time is accelerator
+time and rented time this machine's.
+
+**Pacing** (``FleetConfig.pacing: modelled``): every replica's ``generate`` calls are slowed
+to its profile's modelled decode rate relative to the fleet's fastest pool, which runs at CPU
+speed and whose measured rate is shared (:mod:`hetrl.samplers.pacing`), so per-pool speed,
+queueing and staleness follow the catalogue on an all-CPU embedded fleet.
 """
 
 from __future__ import annotations
@@ -68,7 +80,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInf
 from hetrl.core.admission import QuarantineConfig
 from hetrl.samplers.base import Generation, GenerationRequest, Sampler
 from hetrl.samplers.faults import ChaosConfig
-from hetrl.samplers.profiles import CATALOGUE, SamplerNumerics, get_profile
+from hetrl.samplers.pacing import Paced, ReferenceRate
+from hetrl.samplers.profiles import CATALOGUE, PriceMode, SamplerNumerics, get_profile
 
 __all__ = ["Engine", "Endpoint", "ServerOptions", "is_loopback_host", "PoolConfig", "RestartPolicy", "FleetConfig", "Replica", "JobResult", "Fleet",
            "FleetError", "SamplerFactory"]
@@ -165,8 +178,9 @@ class PoolConfig(BaseModel):
     format the linear layers' inputs are rounded to per token, or ``none``) defaults to what
     serving engines ship for that weight format on that kind
     (:func:`hetrl.samplers.profiles.served_activation_format`: W8A8 for FP8 and GPU INT8 weights,
-    W4A4 for NVFP4, ``none`` otherwise) and must be native too; ``price_per_hour_usd`` and
-    ``relative_throughput`` override the profile's (per accelerator). ``endpoints`` (server
+    W4A4 for NVFP4, ``none`` otherwise) and must be native too; ``price`` picks the profile's
+    ``on_demand`` or ``spot`` price; ``price_per_hour_usd`` (overriding the price of that mode)
+    and ``relative_throughput`` override the profile's (per accelerator). ``endpoints`` (server
     engines only) lists one server base URL per replica; ``sglang-jax`` runs on TPU kinds,
     ``sglang`` on GPU kinds.
 
@@ -191,6 +205,7 @@ class PoolConfig(BaseModel):
     allow_insecure_http: bool = Field(False, description="accept plain http:// to non-loopback hosts")
     endpoints: tuple[Endpoint, ...] = ()
     server: ServerOptions = ServerOptions()
+    price: PriceMode = Field("on_demand", description="which of the profile's prices the pool pays")
     price_per_hour_usd: float | None = Field(None, ge=0.0, allow_inf_nan=False)
     relative_throughput: float | None = Field(None, gt=0.0, allow_inf_nan=False)
 
@@ -274,7 +289,8 @@ class PoolConfig(BaseModel):
 
     def numerics(self) -> SamplerNumerics:
         """The pool's :class:`SamplerNumerics` (profile with this pool's overrides applied)."""
-        overrides = {k: v for k, v in (("price_per_hour_usd", self.price_per_hour_usd),
+        price_field = "spot_price_per_hour_usd" if self.price == "spot" else "price_per_hour_usd"
+        overrides = {k: v for k, v in ((price_field, self.price_per_hour_usd),
                                        ("relative_throughput", self.relative_throughput)) if v is not None}
         profile = get_profile(self.accelerator, **overrides)
         return SamplerNumerics(profile=profile, weight_format=self.weight_precision or profile.default_weight_format,
@@ -304,6 +320,10 @@ class FleetConfig(BaseModel):
     (``reference_tokens_per_s`` x the pool's relative throughput), i.e. the time the pool's
     accelerator would take, for embedded pools that all run on the same CPU.
 
+    ``pacing``: ``off`` (every embedded replica runs at CPU speed) or ``modelled`` (each
+    replica's calls are slowed to its modelled decode rate relative to the fastest pool, which
+    runs at CPU speed: :mod:`hetrl.samplers.pacing`).
+
     ``quarantine``: when a pool returning too many rejected rollouts is taken out of routing.
     ``restart``: whether and when a dead replica is built again (:class:`RestartPolicy`).
     ``chaos``: random faults injected into every replica, for soak runs and drills
@@ -314,6 +334,7 @@ class FleetConfig(BaseModel):
     pools: tuple[PoolConfig, ...] = Field(min_length=1)
     max_batch: int = Field(16, ge=1)
     cost_clock: Literal["wall", "modelled"] = "wall"
+    pacing: Literal["off", "modelled"] = "off"
     reference_tokens_per_s: float = Field(1000.0, gt=0.0, allow_inf_nan=False,
                                           description="decode tokens/s of one H100-bf16 replica (modelled clock)")
     quarantine: QuarantineConfig = QuarantineConfig()
@@ -402,7 +423,8 @@ class Fleet:
     """Pools of replicas behind one job queue (see the module docstring). Thread-safe."""
 
     def __init__(self, replicas: Sequence[tuple[PoolConfig, Sampler]], max_batch: int = 16,
-                 cost_clock: Literal["wall", "modelled"] = "wall", reference_tokens_per_s: float = 1000.0):
+                 cost_clock: Literal["wall", "modelled"] = "wall", reference_tokens_per_s: float = 1000.0,
+                 pacing: Literal["off", "modelled"] = "off"):
         if not replicas:
             raise ValueError("a fleet needs at least one replica")
         self.max_batch = max_batch
@@ -415,6 +437,7 @@ class Fleet:
                 raise ValueError(f"two different pool configs are named {pool.name!r}")
             self.numerics[pool.name] = pool.numerics()
         top = max(n.relative_throughput() for n in self.numerics.values())
+        self.pacing, self._top_capacity, self._reference_rate = pacing, top, ReferenceRate()
         self.replicas: list[Replica] = []
         counts: dict[str, int] = {}
         for pool, sampler in replicas:
@@ -422,7 +445,8 @@ class Fleet:
                 raise ValueError(f"replica of pool {pool.name!r} reports pool {sampler.info.pool!r}")
             cap = self.numerics[pool.name].relative_throughput()
             index = counts[pool.name] = counts.get(pool.name, -1) + 1
-            self.replicas.append(Replica(pool, index, sampler, cap, max(1, round(max_batch * cap / top))))
+            self.replicas.append(Replica(pool, index, self._paced(pool, sampler), cap,
+                                         max(1, round(max_batch * cap / top))))
         self._by_key = {r.key: r for r in self.replicas}
         self._stats = {name: _PoolStats() for name in self.pools}
         self._queue: deque[_Job] = deque()
@@ -432,13 +456,22 @@ class Fleet:
         self._closed = False
         self._epoch = 0  # bumped by _wake_all: waiting serve_once calls return
         self.quarantined: dict[str, str] = {}  # pool -> reason
+        self._rent_start, self._rent_end = time.monotonic(), None  # the rented-time clock
+        self._rent_before: dict[str, float] = {}  # replica key -> rented seconds before a resume
 
     @classmethod
     def from_config(cls, config: FleetConfig, factory: SamplerFactory) -> "Fleet":
         """Build every replica of every pool with ``factory(pool, numerics, index)``."""
         built = [(p, factory(p, p.numerics(), i)) for p in config.pools for i in range(p.replicas)]
         return cls(built, max_batch=config.max_batch, cost_clock=config.cost_clock,
-                   reference_tokens_per_s=config.reference_tokens_per_s)
+                   reference_tokens_per_s=config.reference_tokens_per_s, pacing=config.pacing)
+
+    def _paced(self, pool: PoolConfig, sampler: Sampler) -> Sampler:
+        """``sampler`` paced to ``pool``'s modelled throughput (``pacing: modelled``, embedded
+        pools only: a server pool already runs at its hardware's speed), else itself."""
+        if self.pacing != "modelled" or pool.engine != "embedded":
+            return sampler
+        return Paced(sampler, self.numerics[pool.name].relative_throughput() / self._top_capacity, self._reference_rate)
 
     # ------------------------------------------------------------------ submitting and weights
     def submit(self, job_id: str, requests: Sequence[GenerationRequest], replica: str | None = None) -> None:
@@ -501,7 +534,7 @@ class Fleet:
         with self._cond:
             if r.alive or self._closed or r.pool.name in self.quarantined:
                 return False
-            r.sampler, r.alive, r.weight_version, r.died_at = sampler, True, None, None
+            r.sampler, r.alive, r.weight_version, r.died_at = self._paced(r.pool, sampler), True, None, None
             r.restarts += 1
             self._dispatch_locked()
             self._cond.notify_all()
@@ -512,6 +545,8 @@ class Fleet:
         """Stop: refuse new jobs and wake every waiting :meth:`serve_once` (which returns [])."""
         with self._cond:
             self._closed = True
+            if self._rent_end is None:
+                self._rent_end = time.monotonic()
             self._cond.notify_all()
 
     # ------------------------------------------------------------------ serving
@@ -649,30 +684,54 @@ class Fleet:
                     else:
                         s.mismatch_sum[k] = s.mismatch_sum.get(k, 0.0) + v * n
 
+    def _price_per_second(self, pool: str) -> float:
+        """USD per second of one replica of ``pool``: its hourly price (on-demand or spot) x
+        accelerators per replica / 3600."""
+        p = self.pools[pool]
+        return self.numerics[pool].cost_per_hour(p.price) * p.accelerators_per_replica / 3600.0
+
     def cost_usd(self, pool: str) -> float:
         """``price_per_hour x accelerators_per_replica x busy hours``, summed over the pool's replicas."""
-        price = self.numerics[pool].cost_per_hour() * self.pools[pool].accelerators_per_replica
         with self._cond:
-            return price * sum(r.busy_s for r in self.replicas if r.pool.name == pool) / 3600.0
+            return self._price_per_second(pool) * sum(r.busy_s for r in self.replicas if r.pool.name == pool)
+
+    def rented_s(self, replica: Replica) -> float:
+        """Seconds ``replica`` has been rented: since the fleet was built (plus what a resumed
+        run's checkpoint carried) until now, or until :meth:`close`."""
+        end = self._rent_end if self._rent_end is not None else time.monotonic()
+        return self._rent_before.get(replica.key, 0.0) + end - self._rent_start
+
+    def rented_cost_usd(self, pool: str) -> float:
+        """``price_per_hour x accelerators_per_replica x rented hours`` (idle time included),
+        summed over the pool's replicas."""
+        with self._cond:
+            return self._price_per_second(pool) * sum(self.rented_s(r) for r in self.replicas if r.pool.name == pool)
 
     def metrics(self) -> dict[str, float]:
         """Flat per-pool and fleet-total metrics (see the module docstring)."""
         out: dict[str, float] = {}
         totals = {"requests": 0.0, "jobs": 0.0, "tokens": 0.0, "errors": 0.0, "requeues": 0.0, "busy_s": 0.0,
-                  "replicas_alive": 0.0, "restarts": 0.0, "trained_tokens": 0.0, "cost/usd": 0.0, "quarantined": 0.0}
+                  "replicas_alive": 0.0, "restarts": 0.0, "trained_tokens": 0.0, "cost/usd": 0.0, "quarantined": 0.0,
+                  "rented_s": 0.0, "cost/rented_usd": 0.0}
         costs = {name: self.cost_usd(name) for name in self.pools}
         with self._cond:
+            rented = {r.key: self.rented_s(r) for r in self.replicas}  # one reading of the clock
+            rented_costs = {name: self._price_per_second(name) * sum(rented[r.key] for r in self.replicas
+                                                                     if r.pool.name == name) for name in self.pools}
             for name, s in self._stats.items():
                 reps = [r for r in self.replicas if r.pool.name == name]
                 row = {"requests": s.requests, "jobs": s.jobs, "tokens": s.tokens, "errors": s.errors,
                        "requeues": s.requeues, "busy_s": sum(r.busy_s for r in reps),
                        "replicas_alive": sum(r.alive for r in reps), "restarts": sum(r.restarts for r in reps),
                        "trained_tokens": s.trained_tokens,
-                       "cost/usd": costs[name], "quarantined": name in self.quarantined}
+                       "cost/usd": costs[name], "quarantined": name in self.quarantined,
+                       "rented_s": sum(rented[r.key] for r in reps), "cost/rented_usd": rented_costs[name]}
                 for k, v in row.items():
                     out[f"pool/{name}/{k}"] = float(v)
                     totals[k] += float(v)
                 out[f"pool/{name}/cost/usd_per_trained_token"] = _per(costs[name], s.trained_tokens)
+                out[f"pool/{name}/cost/rented_usd_per_trained_token"] = _per(rented_costs[name], s.trained_tokens)
+                out[f"pool/{name}/idle_fraction"] = _idle(row["busy_s"], row["rented_s"])
                 for k, v in s.mismatch_sum.items():
                     out[f"pool/{name}/mismatch_avg/{k}"] = v / s.mismatch_tokens
                 for k, v in s.mismatch_max.items():
@@ -680,15 +739,18 @@ class Fleet:
             queued = len(self._queue)
         out.update({f"fleet/{k}": v for k, v in totals.items()})
         out["fleet/cost/usd_per_trained_token"] = _per(totals["cost/usd"], totals["trained_tokens"])
+        out["fleet/cost/rented_usd_per_trained_token"] = _per(totals["cost/rented_usd"], totals["trained_tokens"])
+        out["fleet/idle_fraction"] = _idle(totals["busy_s"], totals["rented_s"])
         out["fleet/queued_jobs"] = float(queued)
         return out
 
     def counters_state(self) -> dict[str, Any]:
         """The cumulative counters (per pool: requests, jobs, tokens, errors, requeues, trained
-        tokens, mismatch sums; per replica: busy seconds) as JSON-able data, for a checkpoint."""
+        tokens, mismatch sums; per replica: busy and rented seconds) as JSON-able data, for a checkpoint."""
         with self._cond:
             return {"pools": {name: asdict(s) for name, s in self._stats.items()},
-                    "busy_s": {r.key: r.busy_s for r in self.replicas}}
+                    "busy_s": {r.key: r.busy_s for r in self.replicas},
+                    "rented_s": {r.key: self.rented_s(r) for r in self.replicas}}
 
     def restore_counters(self, state: Mapping[str, Any]) -> None:
         """Continue the counters of :meth:`counters_state` (a resumed run's totals then include
@@ -700,6 +762,7 @@ class Fleet:
             for key, busy in state.get("busy_s", {}).items():
                 if key in self._by_key:
                     self._by_key[key].busy_s = float(busy)
+            self._rent_before = {key: float(v) for key, v in state.get("rented_s", {}).items() if key in self._by_key}
 
     # ------------------------------------------------------------------ internals
     def _wake_all(self) -> None:
@@ -741,3 +804,8 @@ class Fleet:
 
 def _per(cost: float, tokens: float) -> float:
     return cost / tokens if tokens > 0 else float("nan")
+
+
+def _idle(busy_s: float, rented_s: float) -> float:
+    """``1 - busy / rented`` (nan before any rented time)."""
+    return 1.0 - busy_s / rented_s if rented_s > 0 else float("nan")

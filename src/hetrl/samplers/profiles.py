@@ -41,10 +41,13 @@ list prices, rounded, as of 2025: GPU figures from the neocloud / hyperscaler on
 lists (per-node prices divided by the accelerators per node), TPU figures from Google Cloud's
 on-demand per-chip-hour prices (us regions). They vary by provider, region and date by 2x or
 more: treat them as defaults and override them (:func:`get_profile` takes overrides, a fleet
-config can too). Relative throughput is decode tokens/s relative to an H100 SXM at the same
-precision, taken as the HBM-bandwidth ratio (decode is bandwidth-bound; MI300X discounted for
-software maturity); :meth:`SamplerNumerics.relative_throughput` adds a per-format factor for
-the smaller weight reads of low-precision formats.
+config can too). Spot / preemptible prices (``spot_price_per_hour_usd``) are approximate public
+spot or preemptible list prices of the same providers, rounded, as of 2025 (roughly 40-60% of
+on-demand; they move daily); a pool picks one with ``price: on_demand | spot``. Relative
+throughput is decode tokens/s relative to an H100 SXM at the same precision, taken as the
+HBM-bandwidth ratio (decode is bandwidth-bound; MI300X discounted for software maturity);
+:meth:`SamplerNumerics.relative_throughput` adds a per-format factor for the smaller weight reads
+of low-precision formats.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from hetrl.core.schema import SamplerInfo
 
 __all__ = [
     "DType",
+    "PriceMode",
     "AcceleratorProfile",
     "SamplerNumerics",
     "CATALOGUE",
@@ -69,6 +73,7 @@ __all__ = [
 ]
 
 DType = Literal["fp32", "bf16", "fp16"]
+PriceMode = Literal["on_demand", "spot"]
 
 #: Decode-throughput factor of a weight format relative to bf16: decode reads every weight once
 #: per step, so fewer bytes per weight mean more tokens/s; the factors are below the byte ratios
@@ -92,7 +97,8 @@ class AcceleratorProfile(BaseModel):
     accum_dtype: DType = "fp32"
     softmax_dtype: DType = "fp32"
     reduction_chunks: int = Field(1, ge=1, description="split-K chunks of every matmul contraction")
-    price_per_hour_usd: float = Field(ge=0.0, allow_inf_nan=False)
+    price_per_hour_usd: float = Field(ge=0.0, allow_inf_nan=False, description="on-demand USD per accelerator-hour")
+    spot_price_per_hour_usd: float = Field(ge=0.0, allow_inf_nan=False, description="spot USD per accelerator-hour")
     relative_throughput: float = Field(gt=0.0, allow_inf_nan=False, description="decode tokens/s vs H100 SXM")
     default_weight_format: str = "bf16"
     default_kv_format: str = "bf16"
@@ -120,11 +126,12 @@ class AcceleratorProfile(BaseModel):
         return self
 
 
-def _gpu(kind: str, description: str, weights: tuple[str, ...], kv: tuple[str, ...], *, price: float,
+def _gpu(kind: str, description: str, weights: tuple[str, ...], kv: tuple[str, ...], *, price: float, spot: float,
          throughput: float, chunks: int, softmax: DType = "fp32") -> AcceleratorProfile:
     return AcceleratorProfile(kind=kind, description=description, weight_formats=weights, kv_formats=kv,
                               compute_dtype="bf16", accum_dtype="fp32", softmax_dtype=softmax,
-                              reduction_chunks=chunks, price_per_hour_usd=price, relative_throughput=throughput)
+                              reduction_chunks=chunks, price_per_hour_usd=price, spot_price_per_hour_usd=spot,
+                              relative_throughput=throughput)
 
 
 REFERENCE_KIND = "fp32"
@@ -139,36 +146,36 @@ CATALOGUE: dict[str, AcceleratorProfile] = {
         AcceleratorProfile(kind=REFERENCE_KIND, description="exact fp32 reference (tests; not a real accelerator)",
                            weight_formats=("fp32",), kv_formats=("fp32",), compute_dtype="fp32",
                            accum_dtype="fp32", softmax_dtype="fp32", reduction_chunks=1,
-                           price_per_hour_usd=0.0, relative_throughput=0.05,
+                           price_per_hour_usd=0.0, spot_price_per_hour_usd=0.0, relative_throughput=0.05,
                            default_weight_format="fp32", default_kv_format="fp32"),
         # Blackwell: 5th-gen tensor cores run FP8, NVFP4 and MXFP4 natively; TensorRT-LLM ships
         # NVFP4 KV caches. ~$6/GPU-h on-demand (8x HGX B200 nodes); HBM3e 8 TB/s = 2.4x H100.
         _gpu("b200", "NVIDIA B200 (Blackwell)", ("bf16", "fp16", "fp8_e4m3", "fp8_e4m3_block", "nvfp4", "mxfp4", "int8"),
-             ("bf16", "fp16", "fp8_e4m3", "nvfp4"), price=6.25, throughput=2.4, chunks=4),
+             ("bf16", "fp16", "fp8_e4m3", "nvfp4"), price=6.25, spot=3.50, throughput=2.4, chunks=4),
         # Hopper with HBM3e: same tensor cores and kernels as H100 (FP8, no FP4), so the same
         # numerics; 4.8 TB/s = 1.43x H100.
-        _gpu("h200", "NVIDIA H200 (Hopper, 141 GB)", _HOPPER_W, _HOPPER_KV, price=4.50, throughput=1.43, chunks=2),
+        _gpu("h200", "NVIDIA H200 (Hopper, 141 GB)", _HOPPER_W, _HOPPER_KV, price=4.50, spot=2.50, throughput=1.43, chunks=2),
         # Hopper: FP8 E4M3 tensor cores (per-channel or DeepSeek-style 128x128 blocks); 3.35 TB/s.
-        _gpu("h100", "NVIDIA H100 SXM (Hopper)", _HOPPER_W, _HOPPER_KV, price=3.50, throughput=1.0, chunks=2),
+        _gpu("h100", "NVIDIA H100 SXM (Hopper)", _HOPPER_W, _HOPPER_KV, price=3.50, spot=2.00, throughput=1.0, chunks=2),
         # Ampere: BF16 / INT8 tensor cores, no FP8; A100 80 GB SXM, 2.0 TB/s = 0.61x H100.
         _gpu("a100", "NVIDIA A100 80GB (Ampere, no FP8)", ("bf16", "fp16", "int8"), ("bf16", "fp16", "int8"),
-             price=2.00, throughput=0.61, chunks=1),
+             price=2.00, spot=1.10, throughput=0.61, chunks=1),
         # Ada: FP8 tensor cores; GDDR6 864 GB/s = 0.26x H100.
         _gpu("l40s", "NVIDIA L40S (Ada)", ("bf16", "fp16", "fp8_e4m3", "int8"), ("bf16", "fp16", "fp8_e4m3"),
-             price=1.60, throughput=0.26, chunks=2, softmax="bf16"),
+             price=1.60, spot=0.90, throughput=0.26, chunks=2, softmax="bf16"),
         # CDNA3: FP8 in the FNUZ variant (max 240, no negative zero / inf); 5.3 TB/s, discounted to 1.2x.
         _gpu("mi300x", "AMD Instinct MI300X (CDNA3)", ("bf16", "fp16", "fp8_e4m3fnuz", "int8"),
-             ("bf16", "fp16", "fp8_e4m3fnuz"), price=3.00, throughput=1.2, chunks=4),
+             ("bf16", "fp16", "fp8_e4m3fnuz"), price=3.00, spot=1.80, throughput=1.2, chunks=4),
         # Trillium: MXU runs bf16 and int8 (FP8 arrives natively only with TPU7x, so it is not
         # listed); bf16 VPU, modelled with a bf16 softmax; 1.6 TB/s = 0.48x H100. GCP $2.70/chip-h.
         AcceleratorProfile(kind="tpu-v6e", description="Google TPU v6e (Trillium)", weight_formats=("bf16", "int8"),
                            kv_formats=("bf16", "int8"), compute_dtype="bf16", accum_dtype="fp32",
-                           softmax_dtype="bf16", reduction_chunks=2, price_per_hour_usd=2.70,
+                           softmax_dtype="bf16", reduction_chunks=2, price_per_hour_usd=2.70, spot_price_per_hour_usd=1.10,
                            relative_throughput=0.48, weight_only_formats=("int8",)),
         # TPU v5e: bf16 and int8 MXU; 819 GB/s = 0.24x H100. GCP $1.20/chip-h.
         AcceleratorProfile(kind="tpu-v5e", description="Google TPU v5e", weight_formats=("bf16", "int8"),
                            kv_formats=("bf16", "int8"), compute_dtype="bf16", accum_dtype="fp32",
-                           softmax_dtype="fp32", reduction_chunks=4, price_per_hour_usd=1.20,
+                           softmax_dtype="fp32", reduction_chunks=4, price_per_hour_usd=1.20, spot_price_per_hour_usd=0.50,
                            relative_throughput=0.24, weight_only_formats=("int8",)),
     )
 }
@@ -251,8 +258,9 @@ class SamplerNumerics(BaseModel):
         """Decode tokens/s relative to an H100 SXM in bf16."""
         return self.profile.relative_throughput * WEIGHT_FORMAT_SPEEDUP[self.weight_format]
 
-    def cost_per_hour(self) -> float:
-        return self.profile.price_per_hour_usd
+    def cost_per_hour(self, price: PriceMode = "on_demand") -> float:
+        """USD per accelerator-hour at the ``on_demand`` or ``spot`` price."""
+        return self.profile.spot_price_per_hour_usd if price == "spot" else self.profile.price_per_hour_usd
 
     def sampler_info(self, pool: str | None = None, engine: str = "embedded", engine_version: str = "") -> SamplerInfo:
         """The :class:`SamplerInfo` rollouts of this pool carry."""
