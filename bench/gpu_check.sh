@@ -25,8 +25,8 @@
 #   .venv/bin/python -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 #       --platform manylinux2014_x86_64 -d .whl -c constraints.txt megatron-core pydantic \
-#       pydantic_core annotated-types typing-inspection typing_extensions array-api-compat grain \
-#       array_record portpicker
+#       pydantic_core annotated-types typing-inspection typing_extensions array-api-compat \
+#       portpicker
 #
 # (about 10 MB: megatron-core, the project and what its trainers import that the machine lacks),
 # then, in one device `run` with carry [".whl"] and timeout_s 600:

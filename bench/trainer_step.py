@@ -7,7 +7,7 @@ centering), on the same model and the same batch: a Qwen3 layout with hidden 512
 8 query / 4 KV heads of dim 64, intermediate 1536, vocabulary 8192, untied (21.0M parameters,
 16.8M of them in matmuls), random weights; 8 rows x 256 positions (prompt 32 + response 224
 tokens, all trainable, :func:`hetrl.parity.random_batch`). Both trainers take all rows in one micro-batch, in fp32
-(JaxTrainer ``compute_dtype=fp32``; MegatronTrainer ``bf16=False``) and in bf16 (JaxTrainer: BF16
+(``compute_dtype=fp32`` for both trainers) and in bf16 (JaxTrainer: BF16
 matmul inputs over FP32 master weights; MegatronTrainer: ``Float16Module`` BF16 weights and
 activations, FP32 master weights in the mixed-precision optimizer).
 
@@ -126,9 +126,8 @@ def build_trainers(checkpoint: pathlib.Path, dtype: str) -> dict[str, object]:
     from hetrl.trainer_jax import JaxTrainer, JaxTrainerConfig, MeshConfig
     from hetrl.trainer_megatron import MegatronTrainer, MegatronTrainerConfig
 
-    jax_config = JaxTrainerConfig(compute_dtype=dtype, mesh=MeshConfig(data=1, fsdp=1, tensor=1),
-                                  correction_preset="hetrl", optimizer=OPTIMIZER)
-    megatron_config = MegatronTrainerConfig(bf16=dtype == "bf16", correction_preset="hetrl", optimizer=OPTIMIZER)
+    jax_config = JaxTrainerConfig(compute_dtype=dtype, mesh=MeshConfig(data=1, fsdp=1, tensor=1), optimizer=OPTIMIZER)
+    megatron_config = MegatronTrainerConfig(compute_dtype=dtype, optimizer=OPTIMIZER)
     return {"jax": JaxTrainer.from_hf(checkpoint, jax_config), "megatron": MegatronTrainer.from_hf(checkpoint, megatron_config)}
 
 

@@ -1,8 +1,14 @@
-"""Shared pytest setup: hypothesis profiles (CI is the default: derandomized, bounded)."""
+"""Shared pytest setup: hypothesis profiles (CI is the default: derandomized, bounded) and the
+fixtures every test module gets: the tiny HF checkpoints (:func:`tiny_checkpoint`, a builder, and
+``tiny_checkpoints`` / ``hf_models`` of :mod:`conftest_models`). Rollouts are built by
+:mod:`factories`; the override set of a tiny run is :mod:`tiny_run`."""
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
+
+from conftest_models import hf_models, tiny_checkpoints  # noqa: F401  (fixtures for every module)
 
 settings.register_profile(
     "ci", max_examples=60, deadline=None, derandomize=True,
@@ -10,3 +16,22 @@ settings.register_profile(
 )
 settings.register_profile("dev", max_examples=300, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """``build(config=TINY_QWEN3, *, seed=0, init_std=0.02) -> directory``: a complete tiny HF
+    checkpoint (config, tokenizer, safetensors; :func:`hetrl.models.tiny.build_tiny_checkpoint`),
+    built once per session for each setting and shared (treat it as read-only)."""
+    from hetrl.models.tiny import TINY_QWEN3, build_tiny_checkpoint
+
+    built: dict = {}
+
+    def build(config=TINY_QWEN3, *, seed: int = 0, init_std: float = 0.02):
+        key = (config.model_dump_json(), seed, init_std)
+        if key not in built:
+            directory = tmp_path_factory.mktemp(f"tiny-{config.model_type}-{seed}") / "model"
+            built[key] = build_tiny_checkpoint(directory, config, seed=seed, init_std=init_std)
+        return built[key]
+
+    return build

@@ -1,6 +1,7 @@
 """Shared fixtures for model tests: tiny HF checkpoints built once per session.
 
-Import the fixtures into a test module (``from conftest_models import tiny_checkpoints, hf_models``). The
+``conftest.py`` registers the fixtures for every test module (importing them into a module, as
+older modules do, still works). The
 checkpoints are ``TINY_QWEN3`` (untied, QK-norm) and ``TINY_QWEN2`` (tied, q/k/v biases) with
 ``init_std=0.2`` weights, so logits are far from uniform, and RMSNorm weights drawn as
 ``1 + 0.1 N(0, 1)`` instead of ones, so a norm weight that is dropped or misapplied shows
@@ -10,7 +11,6 @@ checkpoints are ``TINY_QWEN3`` (untied, QK-norm) and ``TINY_QWEN2`` (tied, q/k/v
 import pytest
 
 from hetrl.models.tiny import TINY_QWEN2, TINY_QWEN3
-from hetrl.parity import build_parity_checkpoint
 
 INIT_STD = 0.2
 CONFIGS = {"qwen3": TINY_QWEN3, "qwen2": TINY_QWEN2}
@@ -19,6 +19,8 @@ CONFIGS = {"qwen3": TINY_QWEN3, "qwen2": TINY_QWEN2}
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory) -> dict:
     """``{"qwen3": dir, "qwen2": dir}``: complete tiny HF checkpoint directories."""
+    from hetrl.parity import build_parity_checkpoint
+
     return {name: build_parity_checkpoint(tmp_path_factory.mktemp(f"tiny_{name}"), config, seed=0, init_std=INIT_STD)
             for name, config in CONFIGS.items()}
 

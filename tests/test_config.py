@@ -10,17 +10,16 @@ import yaml
 
 from hetrl.cli import main
 from hetrl.config import (
-    translate_trainer_section,
     CONFIG_DIR,
     ConfigError,
-    JaxTrainerSection,
-    MegatronTrainerSection,
     RunConfig,
     apply_override,
     load_config,
     validate_config,
 )
 from hetrl.core.correction import PRESETS
+from hetrl.core.training import TrainerSettings
+from hetrl.orchestrator.trainer_handle import TrainerSetup
 from hetrl.trainer_jax.config import JaxTrainerConfig
 from hetrl.trainer_megatron.config import MegatronTrainerConfig
 
@@ -47,7 +46,7 @@ def test_tiny_mixed_is_six_kinds_three_precisions():
     assert kinds == {"b200", "h100", "mi300x", "a100", "l40s", "tpu-v6e"}
     assert {p.numerics().weight_format for p in c.fleet.pools} >= {"bf16", "fp8_e4m3", "fp8_e4m3fnuz", "nvfp4"}
     assert all(p.engine == "embedded" for p in c.fleet.pools) and c.model.warmstart is not None
-    assert isinstance(c.trainer, JaxTrainerSection)
+    assert isinstance(c.trainer, JaxTrainerConfig)
 
 
 def test_tiny_configs_start_from_the_shipped_warm_start():
@@ -75,62 +74,61 @@ def test_tiny_homogeneous_is_b200_bf16_only():
 
 def test_real_cluster_examples():
     mega = load_config("qwen3_b200_megatron.yaml")
-    assert isinstance(mega.trainer, MegatronTrainerSection) and mega.trainer.tensor_parallel == 2
+    assert isinstance(mega.trainer, MegatronTrainerConfig) and mega.trainer.mesh.tensor == 2
     assert {p.engine for p in mega.fleet.pools} == {"sglang"} and mega.model.path
     tpu = load_config("qwen3_tpu_jax.yaml")
-    assert isinstance(tpu.trainer, JaxTrainerSection) and tpu.trainer.distributed.auto
+    assert isinstance(tpu.trainer, JaxTrainerConfig) and tpu.trainer.distributed.auto
     assert {p.engine for p in tpu.fleet.pools} == {"sglang-jax"}
 
 
-def test_jax_trainer_config_is_composed_from_the_sections():
-    c = load_config("tiny_mixed.yaml", ["correction.veto_threshold=1e-4", "async.batch_groups=5",
-                                         "checkpointing.every=7"])
-    t = c.jax_trainer_config()
-    assert isinstance(t, JaxTrainerConfig)
-    assert t.correction == PRESETS["hetrl"].model_copy(update={"veto_threshold": 1e-4})
-    assert (t.data.batch_size, t.checkpoint.every) == (5, 7) and t.optimizer == c.trainer.optimizer
-    with pytest.raises(ConfigError, match="not 'jax'"):
-        load_config("qwen3_b200_megatron.yaml").jax_trainer_config()
+def test_the_trainer_section_is_the_trainers_config_and_the_setup_adds_what_other_sections_own():
+    c = load_config("tiny_mixed.yaml", ["correction.veto_threshold=1e-4", "checkpointing.every=7"])
+    assert type(c.trainer) is JaxTrainerConfig  # no second schema: the section is the trainer's config
+    setup = TrainerSetup.of(c, "/runs/x/checkpoints")
+    assert setup.settings is c.trainer and setup.seed == c.seed
+    assert setup.correction == PRESETS["hetrl"].model_copy(update={"veto_threshold": 1e-4})
+    assert (setup.checkpoint.directory, setup.checkpoint.every) == ("/runs/x/checkpoints", 7)
+    for owned in ("correction_preset", "checkpoint"):  # owned by correction / checkpointing, not the trainer
+        with pytest.raises(ConfigError, match=f"trainer.{owned}=1: unknown key {owned!r}"):
+            load_config("tiny_mixed.yaml", [f"trainer.{owned}=1"])
 
 
-def test_megatron_trainer_config_is_composed_from_the_sections():
-    c = load_config("qwen3_b200_megatron.yaml", ["correction.preset=mis", "checkpointing.every=9"])
-    t = c.trainer_config(world_size=8)
-    assert isinstance(t, MegatronTrainerConfig)
-    assert (t.parallel.tensor, t.parallel.pipeline, t.parallel.data) == (2, 1, 4)  # data_parallel -1: the rest
-    assert t.correction == PRESETS["mis"] and t.checkpoint.every == 9 and t.optimizer == c.trainer.optimizer
-    assert (t.bf16, t.micro_batch_size) == (c.trainer.bf16, c.trainer.micro_batch_size)
-    with pytest.raises(ConfigError, match="does not fill the 3 trainer rank"):
-        c.trainer_config(world_size=3)
-    with pytest.raises(ConfigError, match="not 'megatron'"):
-        load_config("tiny_mixed.yaml").megatron_trainer_config()
+def test_both_trainers_share_one_settings_vocabulary():
+    shared = set(TrainerSettings.model_fields)
+    assert shared <= set(JaxTrainerConfig.model_fields) and shared <= set(MegatronTrainerConfig.model_fields)
+    assert JaxTrainerConfig.model_fields["optimizer"].annotation is MegatronTrainerConfig.model_fields["optimizer"].annotation
+    mega = load_config("qwen3_b200_megatron.yaml", ["correction.preset=mis"]).trainer
+    assert mega.parallel_sizes(8) == (2, 1, 4)  # tensor 2, no pipeline, data parallel over the rest
+    with pytest.raises(ValueError, match="3 devices cannot be split"):
+        mega.parallel_sizes(3)
 
 
-def test_switching_the_trainer_translates_its_section():
-    """``trainer.kind=megatron`` on a JAX section (and back) keeps what both trainers share."""
-    jax_cfg = load_config("tiny_mixed.yaml", ["trainer.optimizer.schedule=cosine", "trainer.optimizer.total_steps=40",
-                                              "trainer.optimizer.min_lr_ratio=0.1"])
-    mega = load_config("tiny_mixed.yaml", ["trainer.optimizer.schedule=cosine", "trainer.optimizer.total_steps=40",
-                                           "trainer.optimizer.min_lr_ratio=0.1", "trainer.kind=megatron",
-                                           "trainer.micro_batch_size=4"])
-    assert isinstance(mega.trainer, MegatronTrainerSection) and mega.trainer.micro_batch_size == 4
-    assert mega.trainer.bf16 is (jax_cfg.trainer.compute_dtype == "bf16")
-    jo, mo = jax_cfg.trainer.optimizer, mega.trainer.optimizer
-    assert (mo.learning_rate, mo.warmup_steps, mo.grad_clip, mo.schedule) == (jo.learning_rate, jo.warmup_steps,
-                                                                             jo.grad_clip, "cosine")
-    assert mo.decay_steps == 40 and mo.min_learning_rate == pytest.approx(0.1 * jo.learning_rate)
-    back = load_config("tiny_mixed.yaml", ["trainer.optimizer.schedule=cosine", "trainer.optimizer.total_steps=40",
-                                           "trainer.optimizer.min_lr_ratio=0.1", "trainer.kind=megatron",
-                                           "trainer.kind=jax"])
+def test_switching_the_trainer_keeps_every_shared_setting():
+    """``trainer.kind=megatron`` on a JAX section (and back) changes the kind only."""
+    schedule = ["trainer.optimizer.schedule=cosine", "trainer.optimizer.decay_steps=40",
+                "trainer.optimizer.min_learning_rate=5e-6"]
+    jax_cfg = load_config("tiny_mixed.yaml", schedule)
+    mega = load_config("tiny_mixed.yaml", [*schedule, "trainer.kind=megatron", "trainer.micro_batch_size=4"])
+    assert isinstance(mega.trainer, MegatronTrainerConfig) and mega.trainer.micro_batch_size == 4
+    assert {k: getattr(mega.trainer, k) for k in TrainerSettings.model_fields if k != "kind"} == \
+        {k: getattr(jax_cfg.trainer, k) for k in TrainerSettings.model_fields if k != "kind"}
+    back = load_config("tiny_mixed.yaml", [*schedule, "trainer.kind=megatron", "trainer.kind=jax"])
     assert back.trainer == jax_cfg.trainer
-    assert load_config("tiny_mixed.yaml", ["trainer.kind=jax"]).trainer == load_config("tiny_mixed.yaml").trainer
-    with pytest.raises(ConfigError, match="decay_vectors"):
-        load_config("tiny_mixed.yaml", ["trainer.optimizer.weight_decay=0.1", "trainer.optimizer.decay_vectors=true",
-                                        "trainer.kind=megatron"])
-    with pytest.raises(ConfigError, match="pipeline_parallel"):
-        load_config("qwen3_b200_megatron.yaml", ["trainer.pipeline_parallel=2", "trainer.kind=jax"])
-    with pytest.raises(ConfigError, match="'tpu' is not a trainer"):
-        translate_trainer_section({"kind": "jax"}, "tpu")
+
+
+@pytest.mark.parametrize("config, overrides, message", [
+    ("tiny_mixed.yaml", ["trainer.optimizer.weight_decay=0.1", "trainer.optimizer.decay_vectors=true",
+                         "trainer.kind=megatron"], "the Megatron trainer never decays biases and norms"),
+    ("qwen3_b200_megatron.yaml", ["trainer.mesh.pipeline=2"], "does not run pipeline stages yet"),
+    ("qwen3_b200_megatron.yaml", ["trainer.kind=jax"],
+     "trainer.distributed_optimizer: 'distributed_optimizer' is a setting of the 'megatron' trainer only"),
+    ("qwen3_tpu_jax.yaml", ["trainer.kind=megatron"],
+     "trainer.distributed: 'distributed' is a setting of the 'jax' trainer only: the 'megatron' trainer cannot"),
+    ("tiny_mixed.yaml", ["trainer.mesh.pipeline=2"], "the JAX trainer has no pipeline parallelism"),
+])
+def test_a_setting_the_trainer_cannot_honour_is_refused_by_name(config, overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(config, overrides)
 
 
 def test_lockstep_schedule_needs_synchronous_embedded_pools():
@@ -154,8 +152,8 @@ def test_overrides_are_typed_and_reach_lists():
 
 
 def test_switching_the_trainer_kind():
-    c = load_config("qwen3_tpu_jax.yaml", ["trainer={kind: megatron, tensor_parallel: 8}"])
-    assert isinstance(c.trainer, MegatronTrainerSection) and c.trainer.tensor_parallel == 8
+    c = load_config("qwen3_tpu_jax.yaml", ["trainer={kind: megatron, mesh: {tensor: 8}}"])
+    assert isinstance(c.trainer, MegatronTrainerConfig) and c.trainer.mesh.tensor == 8
 
 
 @pytest.mark.parametrize("override, message", [
@@ -181,7 +179,7 @@ def test_bad_overrides(override, message):
     ("trainer.optimizer.learning_rate=-1", "Input should be greater than 0"),
     ("trainer.kind=pytorch", "Input tag 'pytorch' found using 'kind' does not match"),
     ("trainer.tensor_parallel=2", "unknown key 'tensor_parallel'"),
-    ("trainer.data.batch_size=4", "data.batch_size is set by async.batch_groups"),
+    ("trainer.data.batch_size=4", "unknown key 'data'"),
     ("async.max_staleness=-1", "Input should be greater than or equal to 0"),
     ("async.stale_policy=keep", "Input should be 'drop' or 'regenerate'"),
     ("async.sampling.top_p=1.5", "Input should be less than or equal to 1"),
@@ -314,13 +312,13 @@ def test_cli_bad_value_exits_nonzero_naming_the_key(capsys):
     assert "async.max_staleness" in capsys.readouterr().err
 
 
-def test_cli_switching_trainer_translates_the_section_or_names_what_does_not_fit(capsys):
+def test_cli_switching_trainer_keeps_the_settings_or_names_what_does_not_fit(capsys):
     assert main(["train", "tiny_homogeneous.yaml", "--trainer", "megatron", "--dry-run"]) == 0
     trainer = yaml.safe_load(capsys.readouterr().out)["trainer"]
-    assert (trainer["kind"], trainer["bf16"]) == ("megatron", False)  # tiny_homogeneous trains in fp32
+    assert (trainer["kind"], trainer["compute_dtype"]) == ("megatron", "fp32")  # tiny_homogeneous trains in fp32
     assert main(["train", "tiny_homogeneous.yaml", "--trainer", "megatron", "--dry-run",
                  "--set", "trainer.optimizer.decay_vectors=true", "--set", "trainer.optimizer.weight_decay=0.1"]) == 1
-    assert "trainer.optimizer.decay_vectors" in capsys.readouterr().err
+    assert "never decays biases and norms: set decay_vectors to false" in capsys.readouterr().err
 
 
 def test_console_script_dry_run():

@@ -18,7 +18,7 @@ from hetrl.core.precision import quantize_dequantize
 from hetrl.core.schema import Rollout, SamplingParams, collate
 from hetrl.models.hf_io import load_state_dict
 from hetrl.models.qwen_jax import from_hf_state_dict
-from hetrl.models.tiny import TINY_QWEN3, build_tiny_checkpoint, random_state_dict
+from hetrl.models.tiny import TINY_QWEN3, random_state_dict
 from hetrl.samplers.base import GenerationRequest, Sampler
 from hetrl.samplers.embedded import EmbeddedSampler, _generate_chunk, quantize_weights
 from hetrl.samplers.profiles import sampler_numerics
@@ -78,9 +78,9 @@ def soft_weights():
 
 
 @pytest.fixture(scope="module")
-def peaked_checkpoint(tmp_path_factory):
+def peaked_checkpoint(tiny_checkpoint):
     """init_std 0.3: peaked next-token distributions (mean log q ~ -3 of a 512 vocab)."""
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), TINY_QWEN3, seed=3, init_std=0.3)
+    return tiny_checkpoint(TINY_QWEN3, seed=3, init_std=0.3)
 
 
 def test_fp32_sampler_logprobs_equal_trainer_replay(soft_weights):

@@ -22,11 +22,13 @@ import pytest
 from hetrl.cli import main
 from hetrl.config import CONFIG_DIR, ConfigError, load_config
 from hetrl.errors import UserError
+from tiny_run import NO_EVAL, QUIET, TINY_MODEL, set_args
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHIPPED = sorted(p.name for p in CONFIG_DIR.glob("*.yaml") if not p.name.startswith("experiment_"))  # run configs
 REFUSED = {  # the real-cluster examples, until multi-rank training lands: what --dry-run must say
-    "qwen3_b200_megatron.yaml": ["needs 2 trainer ranks and the loop runs the trainer as 1",
+    "qwen3_b200_megatron.yaml": ["trainer.mesh: data 1 x fsdp -1 x tensor 2 needs a multiple of 2 trainer ranks and "
+                                 "the loop runs the trainer as 1",
                                  "model.path: /shared/models/Qwen3-8B does not exist"],
     "qwen3_tpu_jax.yaml": ["trainer.mesh: data 1 x fsdp -1 x tensor 4 needs a multiple of 4 devices",
                            "trainer.distributed: multi-process start-up", "output_dir: 'gs://"],
@@ -124,8 +126,8 @@ def test_a_missing_model_path_is_refused_by_dry_run_and_by_the_run(capsys, tmp_p
 
 def test_trainer_parallel_sizes_beyond_the_loops_one_rank_are_refused_by_dry_run(capsys):
     line = _one_line_error(capsys, ["train", "tiny_homogeneous.yaml", "--trainer", "megatron", "--dry-run",
-                                    "--set", "trainer.tensor_parallel=2"])
-    assert "trainer: tensor_parallel 2 x pipeline_parallel 1 x data_parallel -1 needs 2 trainer ranks" in line
+                                    "--set", "trainer.mesh={data: 1, fsdp: 1, tensor: 2}"])
+    assert "trainer.mesh: data 1 x fsdp 1 x tensor 2 needs 2 trainer ranks" in line
     assert main(["train", "tiny_homogeneous.yaml", "--trainer", "megatron", "--dry-run"]) == 0
 
 
@@ -154,7 +156,7 @@ def test_every_other_shipped_config_builds_its_orchestrator_up_to_its_endpoints(
     raw = load_config(name)
     dead = f"http://127.0.0.1:{_free_port()}"
     servers = [i for i, p in enumerate(raw.fleet.pools) if p.engine != "embedded"]
-    overrides = [f"output_dir={tmp_path}", "logging.console=false",
+    overrides = [f"output_dir={tmp_path}", QUIET,
                  *([f"model.cache_dir={REPO / raw.model.cache_dir}"] if raw.model.cache_dir else []),
                  *(f"fleet.pools[{i}].endpoints=[{dead}]" for i in servers)]
     orchestrator = build_orchestrator(load_config(name, overrides))
@@ -187,9 +189,8 @@ def test_the_experiment_grid_passes_the_same_checks():
 def test_an_sglang_endpoint_with_no_server_is_one_line_naming_it(tmp_path):
     dead = f"http://127.0.0.1:{_free_port()}"
     run = subprocess.run(
-        [sys.executable, "-m", "hetrl.cli", "train", "tiny_homogeneous.yaml", "--set", "model={tiny: qwen3}",
-         "--set", f"output_dir={tmp_path}", "--set", "logging.console=false",
-         "--set", "environment.options.eval.every=0",
+        [sys.executable, "-m", "hetrl.cli", "train", "tiny_homogeneous.yaml",
+         *set_args([TINY_MODEL, f"output_dir={tmp_path}", QUIET, NO_EVAL]),
          "--set", f"fleet.pools=[{{name: h100-sglang, engine: sglang, accelerator: h100, weight_precision: bf16, "
                   f"endpoints: [{json.dumps(dead)}]}}]"],
         capture_output=True, text=True, timeout=600)

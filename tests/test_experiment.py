@@ -26,6 +26,7 @@ from hetrl.experiment.report import MEASURES_FILE, REPORT_FILE, SECTIONS, write_
 from hetrl.experiment.runner import COMPLETE_MARKER, SPEC_FILE, default_jobs, run_directory, run_grid
 from hetrl.experiment.statistics import Estimate, bootstrap_ratio, ols_slope, t_interval, welch_interval
 from hetrl.samplers.profiles import CATALOGUE, REFERENCE_KIND
+from tiny_run import TINY_BATCH, as_mapping
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -410,8 +411,7 @@ def test_hetrl_experiment_end_to_end_on_a_tiny_grid(tmp_path, monkeypatch, capsy
     from hetrl.cli import main
 
     small = {"steps": 2, "environment.options.eval.every": 2, "environment.options.eval.tasks": 1,
-             "environment.options.eval.samples": 1, "fleet.pools[0].replicas": 1, "async.batch_groups": 2,
-             "async.group_size": 2, "async.max_new_tokens": 16}
+             "environment.options.eval.samples": 1, "fleet.pools[0].replicas": 1, **as_mapping(TINY_BATCH)}
     data = {"name": "smoke", "seeds": [0, 1], "defaults": {**small, "steps": 4},
             "quick": {"seeds": [0], "defaults": small},
             "arms": {"plain": {"base": "tiny_homogeneous.yaml", "overrides": {"correction.preset": "none"}},

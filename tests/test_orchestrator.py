@@ -28,6 +28,7 @@ from hetrl.samplers.base import Generation
 from hetrl.samplers.faults import Dies, Poisoned, Slow
 from orchestrator_checks import (check_monotone_versions, check_outputs,
                                  check_requeued_exactly_once, check_staleness)
+from tiny_run import QUIET, TINY_BATCH
 
 MAX_STALENESS = 1
 QUARANTINE_MIN = 4
@@ -38,7 +39,7 @@ def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
     cfg = load_config("tiny_mixed.yaml", [
         f"output_dir={out}", "checkpointing.every=2",
-        "steps=3", "async.batch_groups=2", "async.group_size=2", "async.max_new_tokens=16",
+        "steps=3", *TINY_BATCH,
         f"async.max_staleness={MAX_STALENESS}",
         "fleet.pools=[{name: fast, accelerator: h100, weight_precision: fp8_e4m3, replicas: 2},"
         " {name: slow, accelerator: a100, weight_precision: bf16},"
@@ -119,8 +120,8 @@ def test_a_dead_replica_is_restarted_and_serves_again(tmp_path):
     """The second replica dies on its first call; the restart policy builds it again after the
     delay, and the new one serves jobs (its first-token weight versions are recorded)."""
     cfg = load_config("tiny_homogeneous.yaml", [
-        f"output_dir={tmp_path}", "logging.console=false",
-        "steps=3", "async.batch_groups=2", "async.group_size=2", "async.max_new_tokens=16", "async.max_staleness=0",
+        f"output_dir={tmp_path}", QUIET,
+        "steps=3", *TINY_BATCH, "async.max_staleness=0",
         "fleet.pools=[{name: fast, accelerator: h100, weight_precision: fp8_e4m3, replicas: 2}]",
         "fleet.restart={max_per_replica: 2, delay_s: 0.2}", "environment.options={eval: {every: 0}}",
     ])
@@ -145,8 +146,8 @@ def test_chaos_drill_loses_nothing_and_a_stop_request_ends_at_a_checkpoint(tmp_p
     run stopped by request_stop() (what SIGTERM does) after its second step: every submitted
     group is accounted for, none trained twice, and the run ends checkpointed where it stopped."""
     cfg = load_config("tiny_homogeneous.yaml", [
-        f"output_dir={tmp_path}", "logging.console=false",
-        "steps=100", "async.batch_groups=2", "async.group_size=2", "async.max_new_tokens=16",
+        f"output_dir={tmp_path}", QUIET,
+        "steps=100", *TINY_BATCH,
         "fleet.pools=[{name: fast, accelerator: h100, weight_precision: fp8_e4m3, replicas: 2}]",
         "fleet.restart={max_per_replica: 50, delay_s: 0.1}",
         "fleet.chaos={seed: 3, kill_rate: 0.5, slow_rate: 0.25, slow_s: 0.2, poison_rate: 0.3}",

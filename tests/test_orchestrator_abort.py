@@ -15,6 +15,7 @@ from hetrl.config import load_config
 from hetrl.orchestrator.local import LocalOrchestrator
 from hetrl.samplers.faults import Slow
 from orchestrator_checks import check_monotone_versions, check_staleness
+from tiny_run import TINY_BATCH
 
 pytestmark = pytest.mark.slow  # each test trains tiny runs (minutes on 2 cores)
 
@@ -41,7 +42,7 @@ def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("abort-run")
     cfg = load_config("tiny_mixed.yaml", [
         f"output_dir={out}",
-        "steps=3", "async.batch_groups=2", "async.group_size=2", "async.max_new_tokens=16",
+        "steps=3", *TINY_BATCH,
         f"async.max_staleness={MAX_STALENESS}", "async.weight_update=abort",
         "fleet.pools=[{name: fast, accelerator: h100, weight_precision: fp8_e4m3},"
         " {name: slow, accelerator: a100, weight_precision: bf16}]",

@@ -19,6 +19,8 @@ import sys
 
 import pytest
 
+from tiny_run import NO_EVAL, QUIET, replicas, set_args
+
 pytestmark = pytest.mark.slow  # each test trains tiny runs (minutes on 2 cores)
 
 RUN_TIMEOUT_S = 600
@@ -28,10 +30,9 @@ K3_BOUND = 1e-3  # measured ~1e-5 (fp32 trainer vs BF16 samplers of the same wei
 def _train(out: pathlib.Path, steps: int, *extra: str) -> subprocess.CompletedProcess:
     args = [sys.executable, "-m", "hetrl.cli", "train", "tiny_homogeneous.yaml", "--trainer", "megatron",
             "--set", f"steps={steps}", "--set", f"output_dir={out}", "--set", "checkpointing.every=1",
-            "--set", "checkpointing.keep=1", "--set", "logging.console=false",
-            "--set", "environment.options.eval.every=0", "--set", "async.batch_groups=3", "--set", "async.group_size=4",
-            "--set", "async.max_new_tokens=24",
-            "--set", "fleet.pools=[{name: b200-bf16, accelerator: b200, weight_precision: bf16, replicas: 2}]", *extra]
+            "--set", "checkpointing.keep=1",
+            *set_args([QUIET, NO_EVAL, "async.batch_groups=3", "async.group_size=4", "async.max_new_tokens=24",
+                       replicas(2)]), *extra]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return proc

@@ -20,6 +20,7 @@ from hetrl.orchestrator import build_orchestrator
 from hetrl.orchestrator.ray_backend import RayOrchestrator
 from hetrl.samplers.faults import Slow
 from orchestrator_checks import check_monotone_versions, check_outputs, check_requeued_exactly_once, check_staleness
+from tiny_run import TINY_BATCH
 
 MAX_STALENESS = 1
 RUN_TIMEOUT_S = 300
@@ -47,7 +48,7 @@ def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("ray-run")
     cfg = load_config("tiny_mixed.yaml", [
         f"output_dir={out}", "checkpointing.every=2",
-        "steps=3", "async.batch_groups=2", "async.group_size=2", "async.max_new_tokens=16",
+        "steps=3", *TINY_BATCH,
         f"async.max_staleness={MAX_STALENESS}", "backend=ray",
         "fleet.pools=[{name: fast, accelerator: h100, weight_precision: fp8_e4m3, replicas: 2},"
         " {name: slow, accelerator: a100, weight_precision: bf16}]",

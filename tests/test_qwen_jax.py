@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest_models import INIT_STD, hf_models, tiny_checkpoints  # noqa: F401  (fixtures)
+from conftest_models import INIT_STD
 from hetrl.core.precision import quantize_dequantize
 from hetrl.models import CheckpointError, ModelConfig, load_state_dict
 from hetrl.models.qwen_jax import (
@@ -50,7 +50,7 @@ def log_softmax(x):
 
 
 @pytest.fixture(scope="module")
-def models(tiny_checkpoints):  # noqa: F811
+def models(tiny_checkpoints):
     return {arch: load_hf(tiny_checkpoints[arch]) for arch in ARCHS}
 
 
@@ -193,7 +193,7 @@ def test_grow_cache_keeps_slots_and_refuses_to_shrink(models):
 
 # ====================================================================== HF mapping
 @pytest.mark.parametrize("arch", ARCHS)
-def test_hf_round_trip_is_bit_exact(arch, tiny_checkpoints):  # noqa: F811
+def test_hf_round_trip_is_bit_exact(arch, tiny_checkpoints):
     state = load_state_dict(tiny_checkpoints[arch])
     back = to_hf_state_dict(from_hf_state_dict(ModelConfig.load(tiny_checkpoints[arch]), state))
     assert sorted(back) == sorted(state)

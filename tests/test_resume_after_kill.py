@@ -23,6 +23,8 @@ import time
 
 import pytest
 
+from tiny_run import NO_EVAL, QUIET, TINY_BATCH, replicas, set_args
+
 pytestmark = pytest.mark.slow  # each test trains tiny runs (minutes on 2 cores)
 
 STEPS = 4
@@ -34,11 +36,8 @@ RUN_TIMEOUT_S = 600
 
 def _command(out: pathlib.Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "hetrl.cli", "train", "tiny_homogeneous.yaml",
-            "--set", f"steps={STEPS}", "--set", f"output_dir={out}", "--set", "checkpointing.every=1",
-            "--set", "checkpointing.keep=10", "--set", "logging.console=false",
-            "--set", "environment.options.eval.every=0", "--set", "async.batch_groups=2", "--set", "async.group_size=2",
-            "--set", "async.max_new_tokens=24", "--set", "async.max_staleness=1",
-            "--set", "fleet.pools=[{name: b200-bf16, accelerator: b200, weight_precision: bf16, replicas: 2}]", *extra]
+            *set_args([f"steps={STEPS}", f"output_dir={out}", "checkpointing.every=1", "checkpointing.keep=10", QUIET,
+                       NO_EVAL, *TINY_BATCH, "async.max_new_tokens=24", "async.max_staleness=1", replicas(2)]), *extra]
 
 
 def _steps(path: pathlib.Path) -> list[int]:

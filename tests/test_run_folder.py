@@ -18,15 +18,14 @@ import pytest
 import yaml
 
 from hetrl.cli import main
-from hetrl.config import CONFIG_DIR, load_config
+from hetrl.config import CONFIG_DIR, ConfigError, load_config
 from hetrl.orchestrator.run_folder import RunFolder, compare_configs
+from tiny_run import TINY_RUN
 
 REPO = CONFIG_DIR.parent
-TINY = ["model={tiny: qwen3}", "logging.console=false", "async.batch_groups=2", "async.group_size=2",
-        "async.max_new_tokens=16", "async.max_staleness=1", "checkpointing.every=1",
-        "fleet.pools=[{name: b200-bf16, accelerator: b200, weight_precision: bf16, replicas: 1}]",
+TINY = [*TINY_RUN, "async.max_staleness=1", "checkpointing.every=1",
         "environment.options.eval={every: 2, tasks: 2, greedy: true, samples: 1}"]
-"""The cheapest run of tiny_homogeneous.yaml: a random tiny Qwen3, 2x2 rollouts of 16 tokens a step."""
+"""The tiny run (:data:`tiny_run.TINY_RUN`) of tiny_homogeneous.yaml, checkpointed every step, evaluated at step 2."""
 
 
 def _tiny(out: pathlib.Path, *extra: str):
@@ -79,7 +78,7 @@ def test_resume_with_nothing_to_resume_says_so(tmp_path, capsys, held):
 @pytest.mark.parametrize("argv, key", [
     (["--trainer", "megatron"], "trainer.kind"),
     (["--set", "fleet.pools=[{name: h100-fp8, accelerator: h100, weight_precision: fp8_e4m3}]"], "fleet.pools"),
-    (["--set", "model={tiny: qwen2}"], "model"),
+    (["--set", "model={tiny: qwen2}"], "model.tiny"),
 ])
 def test_resume_with_the_other_trainer_or_fleet_is_refused_by_name(tmp_path, capsys, argv, key):
     _fake_run(tmp_path)
@@ -99,6 +98,16 @@ def test_resume_with_a_changed_learning_rate_warns_and_goes_on(tmp_path, caplog)
     assert "logging" not in warning  # how a run is shown changes nothing it trains
 
 
+def test_resume_with_another_model_cache_warns_and_goes_on(tmp_path, caplog):
+    """The cache says where a built model is kept, not which model: a resume may move it."""
+    _fake_run(tmp_path, f"model.cache_dir={tmp_path / 'cache-a'}")
+    config = _tiny(tmp_path, "checkpointing.resume=true", f"model.cache_dir={tmp_path / 'cache-b'}")
+    with caplog.at_level(logging.WARNING):
+        RunFolder(tmp_path).check_start(config)  # not refused
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert f"model.cache_dir {str(tmp_path / 'cache-a')!r} -> {str(tmp_path / 'cache-b')!r}" in warning
+
+
 def test_compare_configs_names_the_fixed_prefix_once():
     saved = {"seed": 0, "trainer": {"kind": "jax", "optimizer": {"b1": 0.9}}, "fleet": {"pools": [1], "max_batch": 8},
              "output_dir": "a", "checkpointing": {"resume": False, "keep": 2}}
@@ -114,6 +123,37 @@ def test_a_missing_model_path_is_one_line_naming_it_and_the_fix(tmp_path, capsys
     code, err = _train(capsys, tmp_path / "run", "--set", f"model={{path: {missing}}}")
     assert code == 1 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert f"model.path: {missing} does not exist" in err and "HF checkpoint directory" in err
+
+
+@pytest.mark.parametrize("override, key, where", [
+    ("logging.jsonl_path=runs/a/metrics.jsonl", "logging.jsonl_path", "metrics.jsonl"),
+    ("logging={tensorboard_dir: runs/a/tb}", "logging.tensorboard_dir", "tensorboard/"),
+    ("checkpointing={directory: runs/a/ckpt, every: 1}", "checkpointing.directory", "checkpoints/"),
+])
+def test_a_removed_output_path_is_refused_naming_output_dir(tmp_path, capsys, override, key, where):
+    """The output paths a config once set live in the run folder now; the refusal says so and
+    names the --set that gave one (and the key, when the override set a whole section)."""
+    code, err = _train(capsys, tmp_path, "--set", override)
+    assert code == 1 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    prefix = f"--set {override}: " + ("" if override.startswith(key + "=") else f"{key}: ")
+    assert err.startswith(f"hetrl train: {prefix}every output of a run lives under output_dir")
+    assert f"<output_dir>/{where}" in err and "set output_dir instead" in err
+    data = yaml.safe_load((CONFIG_DIR / "tiny_homogeneous.yaml").read_text())
+    data.setdefault(key.split(".")[0], {})[key.split(".")[1]] = "somewhere"
+    (tmp_path / "old.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match=rf"\n  {key}: every output of a run lives under output_dir"):
+        load_config(tmp_path / "old.yaml")
+
+
+def test_the_checkpointing_section_is_the_checkpoint_config_but_its_directory():
+    from hetrl.core.checkpoints import CheckpointConfig
+
+    section = _tiny(pathlib.Path("/runs/x"), "checkpointing={every: 4, keep: null, async_save: false}").checkpointing
+    assert set(type(section).model_fields) == set(CheckpointConfig.model_fields) - {"directory"} | {"resume"}
+    assert section.checkpoint_config("/runs/x/checkpoints") == CheckpointConfig(
+        directory="/runs/x/checkpoints", every=4, keep=None, async_save=False)
+    with pytest.raises(ConfigError, match="checkpointing.keep"):
+        _tiny(pathlib.Path("/runs/x"), "checkpointing.keep=0")  # CheckpointConfig's own bounds
 
 
 # ====================================================================== paths

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from hetrl.core.schema import SamplingParams
-from hetrl.models.tiny import TINY_QWEN3, build_tiny_checkpoint
 from hetrl.samplers.base import Generation, GenerationRequest, SamplerHealth
 from hetrl.samplers.fleet import Fleet, PoolConfig
 from hetrl.samplers.sglang import ServerError, ServerSampler
@@ -74,8 +73,8 @@ def hanging_server():
     _Hangs.release.clear()
 
 
-def test_a_hanging_pool_times_out_and_its_jobs_finish_elsewhere(hanging_server, tmp_path):
-    model_dir = build_tiny_checkpoint(tmp_path / "model", TINY_QWEN3)
+def test_a_hanging_pool_times_out_and_its_jobs_finish_elsewhere(hanging_server, tiny_checkpoint, tmp_path):
+    model_dir = tiny_checkpoint()
     pool = PoolConfig(name="hangs", engine="sglang", accelerator="h100", weight_precision="bf16", endpoints=[hanging_server],
                       server={"request_timeout_s": TIMEOUT_S, "connect_timeout_s": TIMEOUT_S, "retries": 1,
                               "backoff_s": 0.01, "sampling_mask": "native"})

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from hetrl.core.schema import SamplingParams
-from hetrl.models.tiny import TINY_QWEN3, build_tiny_checkpoint
 from hetrl.samplers.base import GenerationRequest
 from hetrl.samplers.fleet import PoolConfig
 from hetrl.samplers.sglang import ServerError, ServerSampler
@@ -58,8 +57,7 @@ def stub():
     server.server_close()
 
 
-def _sampler(url, tmp_path, **server):
-    model_dir = build_tiny_checkpoint(tmp_path / "model", TINY_QWEN3)
+def _sampler(url, model_dir, tmp_path, **server):
     pool = PoolConfig(name="stub", engine="sglang", accelerator="h100", weight_precision="bf16", endpoints=[url],
                       server={"connect_timeout_s": 2.0, "request_timeout_s": 5.0, **server})
     return ServerSampler(pool, pool.numerics(), model_dir=model_dir, weights_dir=tmp_path / "w", sync_base=False)
@@ -68,9 +66,10 @@ def _sampler(url, tmp_path, **server):
 REQUEST = GenerationRequest("r/0", np.array([3, 4, 5], np.int32), SamplingParams(), 4)
 
 
-def test_5xx_is_retried_with_backoff_on_one_persistent_connection_without_health_probes(stub, tmp_path, monkeypatch):
+def test_5xx_is_retried_with_backoff_on_one_persistent_connection_without_health_probes(stub, tiny_checkpoint, tmp_path,
+                                                                                         monkeypatch):
     monkeypatch.setattr(_Stub, "generate_status", 503)
-    sampler = _sampler(stub, tmp_path, retries=2, backoff_s=0.2)
+    sampler = _sampler(stub, tiny_checkpoint(), tmp_path, retries=2, backoff_s=0.2)
     before = sum(n for (method, _), n in _Stub.seen.items() if method == "GET")
     for _ in range(2):  # two calls: the client and its connection outlive a call
         start = time.monotonic()
@@ -85,9 +84,9 @@ def test_5xx_is_retried_with_backoff_on_one_persistent_connection_without_health
     sampler.close()
 
 
-def test_4xx_is_raised_at_once(stub, tmp_path, monkeypatch):
+def test_4xx_is_raised_at_once(stub, tiny_checkpoint, tmp_path, monkeypatch):
     monkeypatch.setattr(_Stub, "generate_status", 400)
-    sampler = _sampler(stub, tmp_path, retries=3, backoff_s=5.0)
+    sampler = _sampler(stub, tiny_checkpoint(), tmp_path, retries=3, backoff_s=5.0)
     start = time.monotonic()
     with pytest.raises(ValueError, match="HTTP 400"):
         sampler.generate([REQUEST])

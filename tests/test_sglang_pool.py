@@ -43,6 +43,7 @@ from hetrl.samplers.weight_set import WeightSet
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from sglang_server.server import SGLangServer  # noqa: E402
+from tiny_run import NO_EVAL, QUIET  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WARMSTART = next((ROOT / "assets" / "models").glob("warmstart-*"))
@@ -322,7 +323,7 @@ def test_hetrl_train_runs_a_mixed_fleet_and_survives_the_server_dying(model_dir,
     server is killed after step 3 and training continues on the embedded pools to step 6."""
     srv = SGLangServer(model_dir, log_path=tmp_path / "server.log").start()
     out = tmp_path / "run"
-    sets = [f"output_dir={out}", "steps=6", "logging.console=false", "environment.options.eval.every=0",
+    sets = [f"output_dir={out}", "steps=6", QUIET, NO_EVAL,
             f'fleet.pools[3].endpoints=["{srv.url}"]', "fleet.pools[3].server.retries=1",
             "fleet.pools[3].server.backoff_s=0.05"]
     cmd = [sys.executable, "-m", "hetrl.cli", "train", str(ROOT / "configs" / "tiny_mixed_sglang.yaml")]

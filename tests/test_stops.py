@@ -28,6 +28,7 @@ import pytest
 import yaml
 
 from hetrl.stopping import StopToken
+from tiny_run import NO_EVAL, ONE_REPLICA, QUIET, TINY_BATCH, as_mapping, set_args
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 STOP_TIMEOUT_S = 120  # a stopped run must be gone this long after the signal
@@ -43,10 +44,8 @@ TINY_WARMSTART = {  # tests/test_warmstart.py's small setting, with more steps t
 
 def _train_argv(out: pathlib.Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "hetrl.cli", "train", "tiny_homogeneous.yaml",
-            "--set", "steps=30", "--set", f"output_dir={out}", "--set", "logging.console=false",
-            "--set", "environment.options.eval.every=0", "--set", "async.batch_groups=2", "--set", "async.group_size=2",
-            "--set", "async.max_new_tokens=24",
-            "--set", "fleet.pools=[{name: b200-bf16, accelerator: b200, weight_precision: bf16, replicas: 1}]", *extra]
+            *set_args(["steps=30", f"output_dir={out}", QUIET, NO_EVAL, *TINY_BATCH, "async.max_new_tokens=24",
+                       ONE_REPLICA]), *extra]
 
 
 class _Process:
@@ -300,8 +299,7 @@ def test_a_stopped_grid_starts_no_run(tmp_path):
 
 
 def _grid(steps: int) -> dict:
-    small = {"steps": steps, "environment.options.eval.every": 0, "fleet.pools[0].replicas": 1,
-             "async.batch_groups": 2, "async.group_size": 2, "async.max_new_tokens": 16}
+    small = {"steps": steps, "environment.options.eval.every": 0, "fleet.pools[0].replicas": 1, **as_mapping(TINY_BATCH)}
     return {"name": "stops", "seeds": [0], "defaults": small,
             "arms": {"plain": {"base": str(REPO / "configs" / "tiny_homogeneous.yaml"),
                                "overrides": {"correction.preset": "none"}},

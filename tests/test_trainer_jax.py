@@ -19,11 +19,11 @@ import pytest
 
 from hetrl.core.correction import LossInputs, PRESETS, grpo_advantages, mismatch_metrics, policy_loss, replay_logprobs
 from hetrl.models.hf_io import load_state_dict
-from hetrl.models.tiny import TINY_QWEN3, build_tiny_checkpoint
-from hetrl.trainer_jax import JaxTrainer, MeshConfig, make_mesh, prompt_iterator
+from hetrl.models.tiny import TINY_QWEN3
+from hetrl.trainer_jax import MeshConfig, make_mesh
 from trainer_jax_worker import (
-    MESHES, RESUME_CONFIG, TRAIN_CONFIG, model_logits_fn, model_matched_batch, prompt_source, read_result,
-    rollouts_for_prompts, trainer_config,
+    MESHES, RESUME_CONFIG, TRAIN_CONFIG, model_logits_fn, model_matched_batch, read_result,
+    make_trainer, rollouts_for_prompts, step_prompts,
 )
 
 WORKER = pathlib.Path(__file__).with_name("trainer_jax_worker.py")
@@ -35,8 +35,8 @@ pytestmark = pytest.mark.slow
 
 # ====================================================================== fixtures
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> pathlib.Path:
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "qwen3", TINY_QWEN3, seed=0, init_std=0.08)
+def ckpt(tiny_checkpoint) -> pathlib.Path:
+    return tiny_checkpoint(TINY_QWEN3, seed=0, init_std=0.08)
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def one_device():
 @pytest.fixture(scope="module")
 def reference(ckpt, batch, one_device):
     """One step of the fp32 hetrl-corrected trainer on one device, with what surrounds it."""
-    trainer = JaxTrainer.from_hf(ckpt, trainer_config(TRAIN_CONFIG), mesh=one_device)
+    trainer = make_trainer(ckpt, TRAIN_CONFIG, mesh=one_device)
     before = trainer.export_hf_weights()
     logprobs = trainer.logprobs(batch)
     metrics = trainer.train_step(batch)
@@ -148,8 +148,8 @@ def test_logprobs_replay_kept_supports_and_match_numpy(reference, batch, logits_
 
 
 def test_steps_raise_logprob_of_positive_advantage_tokens(ckpt, batch, one_device):
-    trainer = JaxTrainer.from_hf(ckpt, trainer_config(TRAIN_CONFIG, correction_preset="none",
-                                                      optimizer=dict(learning_rate=3e-3)), mesh=one_device)
+    trainer = make_trainer(ckpt, TRAIN_CONFIG, correction_preset="none", optimizer=dict(learning_rate=3e-3),
+                           mesh=one_device)
     adv = grpo_advantages(batch.reward.astype(np.float64), batch.group_index, batch.num_groups)
     up = batch.loss_mask & (adv > 0)[:, None]
     down = batch.loss_mask & (adv < 0)[:, None]
@@ -165,8 +165,8 @@ def test_steps_raise_logprob_of_positive_advantage_tokens(ckpt, batch, one_devic
 
 
 def test_ppo_clip_needs_old_logprobs_and_starts_at_minus_mean_advantage(ckpt, batch, one_device):
-    config = trainer_config(TRAIN_CONFIG, correction_preset="none", correction_overrides=dict(ppo_clip=(0.2, 0.2)))
-    trainer = JaxTrainer.from_hf(ckpt, config, mesh=one_device)
+    trainer = make_trainer(ckpt, TRAIN_CONFIG, correction_preset="none", correction_overrides=dict(ppo_clip=(0.2, 0.2)),
+                           mesh=one_device)
     with pytest.raises(ValueError, match="old_logprobs"):
         trainer.train_step(batch)
     metrics = trainer.train_step(batch, old_logprobs=trainer.logprobs(batch))
@@ -177,7 +177,7 @@ def test_ppo_clip_needs_old_logprobs_and_starts_at_minus_mean_advantage(ckpt, ba
 
 
 def test_bf16_compute_keeps_fp32_master_weights(ckpt, batch, one_device, reference):
-    trainer = JaxTrainer.from_hf(ckpt, trainer_config(TRAIN_CONFIG, compute_dtype="bf16"), mesh=one_device)
+    trainer = make_trainer(ckpt, TRAIN_CONFIG, compute_dtype="bf16", mesh=one_device)
     metrics = trainer.train_step(batch)
     assert all(x.dtype == np.float32 for x in jax.tree.leaves(trainer.params))
     assert metrics["loss"] != reference["metrics"]["loss"]  # BF16 really is used...
@@ -236,15 +236,13 @@ def test_two_processes_take_the_single_process_step(reference, ckpt, batch_file,
 # ====================================================================== checkpoints
 def test_resume_in_a_fresh_process_is_exact_and_retention_holds(ckpt, tmp_path):
     run_dir = tmp_path / "run"
-    config = trainer_config(RESUME_CONFIG, checkpoint=dict(directory=str(run_dir), every=1, keep=2))
-    trainer = JaxTrainer.from_hf(ckpt, config)
-    iterator = prompt_iterator(prompt_source(), config.data)
-    for _ in range(3):
-        trainer.train_step(rollouts_for_prompts(next(iterator), VOCAB))
-        assert trainer.save(iterator, force=False)
+    trainer = make_trainer(ckpt, RESUME_CONFIG, checkpoint=dict(directory=str(run_dir), every=1, keep=2))
+    for step in range(3):
+        trainer.train_step(rollouts_for_prompts(step_prompts(step), VOCAB))
+        assert trainer.save(force=False)
     assert trainer.checkpoint_steps() == [2, 3]
     assert sorted(p.name for p in run_dir.iterdir() if p.name.isdigit()) == ["2", "3"]
-    metrics = trainer.train_step(rollouts_for_prompts(next(iterator), VOCAB))  # the uninterrupted 4th step
+    metrics = trainer.train_step(rollouts_for_prompts(step_prompts(3), VOCAB))  # the uninterrupted 4th step
     weights = trainer.export_hf_weights()
     trainer.close()
 
@@ -258,8 +256,7 @@ def test_resume_in_a_fresh_process_is_exact_and_retention_holds(ckpt, tmp_path):
 
 
 def test_restore_rejects_a_missing_checkpoint(ckpt, tmp_path, one_device):
-    config = trainer_config(TRAIN_CONFIG, checkpoint=dict(directory=str(tmp_path / "empty")))
-    trainer = JaxTrainer.from_hf(ckpt, config, mesh=one_device)
+    trainer = make_trainer(ckpt, TRAIN_CONFIG, checkpoint=dict(directory=str(tmp_path / "empty")), mesh=one_device)
     with pytest.raises(FileNotFoundError):
         trainer.restore()
     trainer.close()

@@ -29,7 +29,7 @@ HERE = pathlib.Path(__file__).resolve()
 SRC = HERE.parents[1] / "src" / "hetrl"
 sys.path.insert(0, str(HERE.parent))
 
-from conftest_models import CONFIGS, hf_models, tiny_checkpoints  # noqa: E402,F401  (fixtures)
+from conftest_models import CONFIGS  # noqa: E402
 from factories import log_softmax, sampler_info, truncated_distribution  # noqa: E402
 from hetrl.core.correction import LossInputs, PRESETS, grpo_advantages, policy_loss  # noqa: E402
 from hetrl.core.schema import Rollout, RolloutBatch, SamplingParams, SamplingSupport, collate  # noqa: E402
@@ -39,17 +39,20 @@ from hetrl.parity import reference_logprobs, transformers_logits, update_relativ
 ARCHS = ("qwen3", "qwen2")
 WORKER_TIMEOUT_S = 240
 LR, ADAM_EPS = 1e-3, 1e-3  # a large ε makes the first Adam update depend on g, not only on sign(g)
-PARITY_FP32 = dict(bf16=False, micro_batch_size=3, optimizer=dict(learning_rate=LR, eps=ADAM_EPS, grad_clip=None))
-PARITY_BF16 = dict(bf16=True, optimizer=dict(learning_rate=LR, distributed=True))
+PARITY_FP32 = dict(compute_dtype="fp32", micro_batch_size=3, optimizer=dict(learning_rate=LR, eps=ADAM_EPS, grad_clip=None))
+PARITY_BF16 = dict(compute_dtype="bf16", distributed_optimizer=True, optimizer=dict(learning_rate=LR))
 RESUME_CONFIGS = {
-    "bf16_distributed": dict(bf16=True, micro_batch_size=4, optimizer=dict(learning_rate=LR, distributed=True, warmup_steps=2)),
-    "fp32": dict(bf16=False, optimizer=dict(learning_rate=LR, weight_decay=0.1, warmup_steps=2)),
+    "bf16_distributed": dict(compute_dtype="bf16", micro_batch_size=4, distributed_optimizer=True,
+                             optimizer=dict(learning_rate=LR, warmup_steps=2)),
+    "fp32": dict(compute_dtype="fp32", optimizer=dict(learning_rate=LR, weight_decay=0.1, warmup_steps=2)),
 }
+"""Trainer specs: :class:`MegatronTrainerConfig` keys plus ``correction_preset`` /
+``correction_overrides`` and ``checkpoint``, passed beside it (:func:`_make_trainer`)."""
 VARIANTS = {  # (preset, overrides) of further fp32 qwen3 runs: another reduction, PPO-clip
     "sequence_mean": ("mis", {"reduction": "sequence_mean"}),
     "ppo_clip": ("none", {"ppo_clip": (0.2, 0.28)}),
 }
-MULTI_PROCESS = {"tp2": dict(tensor=2), "dp2": dict(data=2)}  # two ranks each, gloo on the CPU
+MULTI_PROCESS = {"tp2": dict(tensor=2), "dp2": dict(data=2)}  # mesh sizes  # two ranks each, gloo on the CPU
 # stated bounds of |Δ log p|, BF16 megatron vs FP32 transformers: mean over the full vocabulary,
 # mean over the next tokens, max of either
 BF16_FULL_MEAN_BOUND, BF16_TOKEN_MEAN_BOUND, BF16_MAX_BOUND = 5e-2, 5e-2, 0.5
@@ -163,12 +166,12 @@ def run_worker(name: str, out: pathlib.Path, tiny: dict, files: dict) -> tuple[d
 
 
 @pytest.fixture(scope="module")
-def parity(tiny_checkpoints, batch_files, tmp_path_factory):  # noqa: F811
+def parity(tiny_checkpoints, batch_files, tmp_path_factory):
     return run_worker("parity", tmp_path_factory.mktemp("parity"), tiny_checkpoints, batch_files)
 
 
 @pytest.fixture(scope="module")
-def resumed(tiny_checkpoints, batch_files, tmp_path_factory):  # noqa: F811
+def resumed(tiny_checkpoints, batch_files, tmp_path_factory):
     """(first run: step, save, step; second, fresh process: restore, step)."""
     run_dir = tmp_path_factory.mktemp("resume")
     first = run_worker("resume-save", run_dir / "first", tiny_checkpoints, batch_files)
@@ -177,7 +180,7 @@ def resumed(tiny_checkpoints, batch_files, tmp_path_factory):  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def multi_process(tiny_checkpoints, batch_files, tmp_path_factory):  # noqa: F811
+def multi_process(tiny_checkpoints, batch_files, tmp_path_factory):
     """{name: [(json, arrays) of rank 0, of rank 1]} for the two-rank runs of MULTI_PROCESS."""
     from safetensors.numpy import load_file
 
@@ -222,7 +225,7 @@ def reference_loss(logits, batch: RolloutBatch, xp_asarray, config=PRESETS["hetr
 # ====================================================================== weight mapping (in process, no megatron)
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("tp", [1, 2])
-def test_hf_megatron_hf_round_trip_is_bit_exact(arch, tp, tiny_checkpoints):  # noqa: F811
+def test_hf_megatron_hf_round_trip_is_bit_exact(arch, tp, tiny_checkpoints):
     import torch
 
     from hetrl.trainer_megatron.weights import hf_to_megatron, megatron_to_hf
@@ -247,7 +250,7 @@ def test_hf_megatron_hf_round_trip_is_bit_exact(arch, tp, tiny_checkpoints):  # 
     assert all(t.dtype == torch.float32 for t in shards[0].values())
 
 
-def test_pipeline_stages_and_bf16_round_trip(tiny_checkpoints):  # noqa: F811
+def test_pipeline_stages_and_bf16_round_trip(tiny_checkpoints):
     import ml_dtypes
 
     from hetrl.trainer_megatron.weights import StageLayout, hf_to_megatron, megatron_to_hf
@@ -264,7 +267,7 @@ def test_pipeline_stages_and_bf16_round_trip(tiny_checkpoints):  # noqa: F811
         assert merged[name].dtype == ml_dtypes.bfloat16 and np.array_equal(merged[name].view(np.uint16), arr.view(np.uint16)), name
 
 
-def test_mapping_rejects_bad_inputs(tiny_checkpoints):  # noqa: F811
+def test_mapping_rejects_bad_inputs(tiny_checkpoints):
     from hetrl.models import CheckpointError
     from hetrl.trainer_megatron.weights import hf_to_megatron
 
@@ -279,7 +282,7 @@ def test_mapping_rejects_bad_inputs(tiny_checkpoints):  # noqa: F811
 # ====================================================================== parity (worker "parity")
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
-def test_fp32_logprobs_match_transformers_and_jax(arch, parity, hf_models, tiny_checkpoints):  # noqa: F811
+def test_fp32_logprobs_match_transformers_and_jax(arch, parity, hf_models, tiny_checkpoints):
     import jax.numpy as jnp
 
     from hetrl.models.qwen_jax import load_hf
@@ -326,7 +329,7 @@ def test_replayed_logprobs_match_transformers(arch, parity, batches, hf_models):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
-def test_loss_equals_policy_loss_of_transformers_and_jax_logits(arch, parity, batches, hf_models, tiny_checkpoints):  # noqa: F811
+def test_loss_equals_policy_loss_of_transformers_and_jax_logits(arch, parity, batches, hf_models, tiny_checkpoints):
     import jax.numpy as jnp
     import torch
 
@@ -368,7 +371,7 @@ def test_sequence_mean_and_ppo_clip_losses(variant, parity, batches, hf_models):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
-def test_bf16_logprobs_close_to_fp32_transformers(arch, parity, hf_models, tiny_checkpoints):  # noqa: F811
+def test_bf16_logprobs_close_to_fp32_transformers(arch, parity, hf_models, tiny_checkpoints):
     """BF16 megatron (Float16Module: BF16 weights and activations, FP32 softmax) against FP32
     transformers, on the full vocabulary and on the next tokens; JAX BF16 compute (FP32 weights)
     is reported alongside for scale."""
@@ -400,7 +403,7 @@ def test_bf16_logprobs_close_to_fp32_transformers(arch, parity, hf_models, tiny_
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
-def test_export_through_the_model_is_bit_exact(arch, parity, tiny_checkpoints):  # noqa: F811
+def test_export_through_the_model_is_bit_exact(arch, parity, tiny_checkpoints):
     _, arrays = parity
     hf = load_state_dict(tiny_checkpoints[arch])
     exported = {k[len(f"{arch}.export."):]: v for k, v in arrays.items() if k.startswith(f"{arch}.export.")}
@@ -410,7 +413,7 @@ def test_export_through_the_model_is_bit_exact(arch, parity, tiny_checkpoints): 
 
 
 @pytest.mark.slow
-def test_adamw_step_matches_jax_trainer(parity, batches, tiny_checkpoints):  # noqa: F811
+def test_adamw_step_matches_jax_trainer(parity, batches, tiny_checkpoints):
     """One fp32 AdamW step of the Megatron trainer against the JAX trainer on the same batch:
     the same loss and the same parameter update Δθ (relative error per tensor)."""
     pytest.importorskip("hetrl.trainer_jax")
@@ -418,7 +421,7 @@ def test_adamw_step_matches_jax_trainer(parity, batches, tiny_checkpoints):  # n
 
     result, arrays = parity
     arch = "qwen3"
-    config = JaxTrainerConfig(compute_dtype="fp32", mesh=MeshConfig(data=1, fsdp=1, tensor=1), correction_preset="hetrl",
+    config = JaxTrainerConfig(compute_dtype="fp32", mesh=MeshConfig(data=1, fsdp=1, tensor=1),
                               optimizer=dict(learning_rate=LR, eps=ADAM_EPS, grad_clip=None))
     trainer = JaxTrainer.from_hf(tiny_checkpoints[arch], config)
     before = trainer.export_hf_weights()
@@ -564,8 +567,8 @@ def test_a_single_process_group_does_not_take_the_fixed_default_port():
     except OSError:  # already taken by someone else: the condition under test holds anyway
         pass
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    code = ("import torch; from hetrl.trainer_megatron.model import ParallelConfig, initialize_parallel; "
-            "initialize_parallel(ParallelConfig()); print('world', torch.distributed.get_world_size())")
+    code = ("import torch; from hetrl.trainer_megatron.model import initialize_parallel; "
+            "initialize_parallel(); print('world', torch.distributed.get_world_size())")
     try:
         proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                               timeout=WORKER_TIMEOUT_S)
@@ -580,10 +583,17 @@ def _load_batches(paths: list[str]) -> dict[str, list[RolloutBatch]]:
             "qwen2": [RolloutBatch.from_bytes(pathlib.Path(p).read_bytes()) for p in paths[2:]]}
 
 
-def _trainer_config(spec: dict):
-    from hetrl.trainer_megatron import MegatronTrainerConfig
+def _make_trainer(ckpt, spec: dict):
+    """A MegatronTrainer on ``ckpt`` built from ``spec`` (see :data:`RESUME_CONFIGS`)."""
+    from hetrl.core.checkpoints import CheckpointConfig
+    from hetrl.core.correction import correction_preset
+    from hetrl.trainer_megatron import MegatronTrainer, MegatronTrainerConfig
 
-    return MegatronTrainerConfig.model_validate(spec)
+    spec = dict(spec)
+    correction = correction_preset(spec.pop("correction_preset", "hetrl"), **spec.pop("correction_overrides", {}))
+    checkpoint = CheckpointConfig.model_validate(spec.pop("checkpoint", {}))
+    return MegatronTrainer.from_hf(ckpt, MegatronTrainerConfig.model_validate(spec), correction=correction,
+                                   checkpoint=checkpoint)
 
 
 def worker_parity(out: pathlib.Path, ckpts: dict[str, str], batches: dict[str, list[RolloutBatch]]) -> tuple[dict, dict]:
@@ -592,7 +602,6 @@ def worker_parity(out: pathlib.Path, ckpts: dict[str, str], batches: dict[str, l
     under a naive [q; k; v] fusion."""
     import torch
 
-    from hetrl.trainer_megatron import MegatronTrainer
     from hetrl.trainer_megatron.model import forward_logits, unwrap
     from hetrl.trainer_megatron.weights import hf_to_megatron
 
@@ -605,7 +614,7 @@ def worker_parity(out: pathlib.Path, ckpts: dict[str, str], batches: dict[str, l
             with torch.no_grad():
                 return torch.log_softmax(forward_logits(trainer.model.module, ids.long(), mask).double(), -1).numpy()
 
-        fp32 = MegatronTrainer.from_hf(ckpts[arch], _trainer_config(PARITY_FP32))
+        fp32 = _make_trainer(ckpts[arch], PARITY_FP32)
         arrays[f"{arch}.fp32.logprobs_full"] = full_logprobs(fp32)
         arrays[f"{arch}.fp32.logprobs_batch"] = fp32.logprobs(batch)
         arrays.update({f"{arch}.export.{k}": v for k, v in fp32.export_hf_weights().items()})
@@ -620,14 +629,14 @@ def worker_parity(out: pathlib.Path, ckpts: dict[str, str], batches: dict[str, l
             unwrap(fp32.model).load_state_dict(state, strict=False)
             arrays["qwen3.naive_qkv.logprobs_full"] = full_logprobs(fp32)
             for variant, (preset, overrides) in VARIANTS.items():
-                trainer = MegatronTrainer.from_hf(ckpts[arch], _trainer_config(
-                    PARITY_FP32 | {"correction_preset": preset, "correction_overrides": overrides}))
+                trainer = _make_trainer(ckpts[arch],
+                                        PARITY_FP32 | {"correction_preset": preset, "correction_overrides": overrides})
                 old = trainer.logprobs(batch) if variant == "ppo_clip" else None
                 if old is not None:
                     arrays["qwen3.ppo_clip.old_logprobs"] = old
                 result[f"qwen3.{variant}.loss"] = trainer.train_step(batch, old_logprobs=old)["loss"]
 
-        bf16 = MegatronTrainer.from_hf(ckpts[arch], _trainer_config(PARITY_BF16))
+        bf16 = _make_trainer(ckpts[arch], PARITY_BF16)
         arrays[f"{arch}.bf16.logprobs_full"] = full_logprobs(bf16)
         before = bf16.export_hf_weights()
         result[f"{arch}.bf16.metrics"] = bf16.train_step(batch)
@@ -638,9 +647,7 @@ def worker_parity(out: pathlib.Path, ckpts: dict[str, str], batches: dict[str, l
 
 
 def _resume_trainer(ckpt: str, name: str, directory: pathlib.Path):
-    from hetrl.trainer_megatron import MegatronTrainer
-
-    return MegatronTrainer.from_hf(ckpt, _trainer_config({**RESUME_CONFIGS[name], "checkpoint": {"directory": str(directory)}}))
+    return _make_trainer(ckpt, {**RESUME_CONFIGS[name], "checkpoint": {"directory": str(directory)}})
 
 
 def worker_resume_save(out: pathlib.Path, ckpts: dict[str, str], batches: dict[str, list[RolloutBatch]]) -> tuple[dict, dict]:
@@ -678,9 +685,7 @@ def worker_multi(name: str, out: pathlib.Path, ckpts: dict[str, str], batches: d
     on this rank's rows of the qwen3 batch."""
     import dataclasses
 
-    from hetrl.trainer_megatron import MegatronTrainer
-
-    trainer = MegatronTrainer.from_hf(ckpts["qwen3"], _trainer_config(PARITY_FP32 | {"parallel": MULTI_PROCESS[name]}))
+    trainer = _make_trainer(ckpts["qwen3"], PARITY_FP32 | {"mesh": MULTI_PROCESS[name]})
     batch = batches["qwen3"][0]
     rows = trainer.local_rows(batch.batch_size)
     local = dataclasses.replace(batch, **{k: v[rows] for k, v in batch.arrays.items()}, rollout_ids=batch.rollout_ids[rows])

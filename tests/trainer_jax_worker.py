@@ -28,8 +28,9 @@ RESUME_CONFIG = dict(
     compute_dtype="fp32",
     correction_preset="tis",
     optimizer=dict(learning_rate=1e-3, warmup_steps=2, weight_decay=0.01),
-    data=dict(batch_size=4, seed=7),
 )
+"""Trainer specs: the :class:`JaxTrainerConfig` keys plus ``correction_preset`` /
+``correction_overrides`` and ``checkpoint``, which :func:`make_trainer` passes beside it."""
 NUM_PROMPTS = 10
 MESHES = {"2x2x1": (2, 2, 1), "1x2x2": (1, 2, 2)}
 
@@ -97,8 +98,9 @@ def model_matched_batch(logits_fn, vocab: int, seed: int = 0, batch: int = 8,
     return collate(rollouts, length_multiple=4)
 
 
-def prompt_source(n: int = NUM_PROMPTS) -> list[dict]:
-    return [{"prompt_id": i} for i in range(n)]
+def step_prompts(step: int, batch: int = 4) -> list[dict]:
+    """The prompts of the (0-based) ``step``: the next ``batch`` of ``NUM_PROMPTS`` ids, cycling."""
+    return [{"prompt_id": (step * batch + i) % NUM_PROMPTS} for i in range(batch)]
 
 
 def rollouts_for_prompts(prompts: list[dict], vocab: int) -> RolloutBatch:
@@ -142,10 +144,17 @@ def read_result(path: str | pathlib.Path) -> dict[str, np.ndarray]:
     return read_safetensors(path)
 
 
-def trainer_config(base: dict, **extra):
-    from hetrl.trainer_jax import JaxTrainerConfig
+def make_trainer(ckpt, base: dict, *, mesh=None, **extra):
+    """A JaxTrainer on ``ckpt`` built from the spec ``base | extra`` (see :data:`TRAIN_CONFIG`)."""
+    from hetrl.core.checkpoints import CheckpointConfig
+    from hetrl.core.correction import correction_preset
+    from hetrl.trainer_jax import JaxTrainer, JaxTrainerConfig
 
-    return JaxTrainerConfig.model_validate(base | extra)
+    spec = dict(base | extra)
+    correction = correction_preset(spec.pop("correction_preset", "hetrl"), **spec.pop("correction_overrides", {}))
+    checkpoint = CheckpointConfig.model_validate(spec.pop("checkpoint", {}))
+    return JaxTrainer.from_hf(ckpt, JaxTrainerConfig.model_validate(spec), correction=correction,
+                              checkpoint=checkpoint, mesh=mesh)
 
 
 # ====================================================================== subprocess modes
@@ -153,13 +162,13 @@ def run_sharded(ckpt: str, batch_path: str, out: str) -> None:
     """One step on each 4-device mesh of MESHES; weights of the last one, loss of each."""
     import jax
 
-    from hetrl.trainer_jax import JaxTrainer, MeshConfig, make_mesh
+    from hetrl.trainer_jax import MeshConfig, make_mesh
 
     assert jax.device_count() == 4, jax.devices()
     batch = read_batch(batch_path)
     losses, weights = {}, {}
     for name, (d, f, t) in MESHES.items():
-        trainer = JaxTrainer.from_hf(ckpt, trainer_config(TRAIN_CONFIG), mesh=make_mesh(MeshConfig(data=d, fsdp=f, tensor=t)))
+        trainer = make_trainer(ckpt, TRAIN_CONFIG, mesh=make_mesh(MeshConfig(data=d, fsdp=f, tensor=t)))
         assert any(len(x.sharding.device_set) == 4 and not x.sharding.is_fully_replicated for x in jax.tree.leaves(trainer.params))
         losses[f"loss.{name}"] = trainer.train_step(batch)["loss"]
         weights |= {f"{name}/{k}": v for k, v in trainer.export_hf_weights().items()}
@@ -168,14 +177,14 @@ def run_sharded(ckpt: str, batch_path: str, out: str) -> None:
 
 def run_multihost(ckpt: str, batch_path: str, out: str, process_id: str, num_processes: str, port: str) -> None:
     """One process of a multi-process run: join, build the 4-device mesh, step on own rows."""
-    from hetrl.trainer_jax import DistributedConfig, JaxTrainer, MeshConfig, initialize_distributed, make_mesh
+    from hetrl.trainer_jax import DistributedConfig, MeshConfig, initialize_distributed, make_mesh
 
     initialize_distributed(DistributedConfig(coordinator_address=f"127.0.0.1:{port}", num_processes=int(num_processes),
                                              process_id=int(process_id), initialization_timeout_s=60))
     import jax
 
     assert jax.process_count() == int(num_processes) and jax.device_count() == 4, (jax.process_count(), jax.devices())
-    trainer = JaxTrainer.from_hf(ckpt, trainer_config(TRAIN_CONFIG), mesh=make_mesh(MeshConfig(data=2, fsdp=2, tensor=1)))
+    trainer = make_trainer(ckpt, TRAIN_CONFIG, mesh=make_mesh(MeshConfig(data=2, fsdp=2, tensor=1)))
     batch = read_batch(batch_path)
     rows = trainer.local_rows(batch.batch_size)
     assert rows.stop - rows.start == batch.batch_size // int(num_processes), rows
@@ -188,14 +197,10 @@ def run_multihost(ckpt: str, batch_path: str, out: str, process_id: str, num_pro
 
 
 def run_resume(ckpt: str, run_dir: str, out: str) -> None:
-    """Fresh process: restore the latest checkpoint and its data-iterator state, take one step."""
-    from hetrl.trainer_jax import JaxTrainer, prompt_iterator
-
-    config = trainer_config(RESUME_CONFIG, checkpoint=dict(directory=run_dir))
-    trainer = JaxTrainer.from_hf(ckpt, config)
-    iterator = prompt_iterator(prompt_source(), config.data)
-    step = trainer.restore(data_iterator=iterator)
-    loss = trainer.train_step(rollouts_for_prompts(next(iterator), trainer.model_config.vocab_size))["loss"]
+    """Fresh process: restore the latest checkpoint, take the next step's batch."""
+    trainer = make_trainer(ckpt, RESUME_CONFIG, checkpoint=dict(directory=run_dir))
+    step = trainer.restore()
+    loss = trainer.train_step(rollouts_for_prompts(step_prompts(step), trainer.model_config.vocab_size))["loss"]
     write_result(out, trainer.export_hf_weights(), loss=loss, restored_step=step)
     trainer.close()
 

@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config value, e.g. --set fleet.pools[0].replicas=2 (value parsed as YAML)")
     train.add_argument("--trainer", choices=("jax", "megatron"), default=None,
-                       help="train with this trainer: the config's trainer section is translated to it (before any --set)")
+                       help="train with this trainer: trainer.kind set to it, the other trainer settings kept (before any --set)")
     train.add_argument("--backend", choices=("local", "ray"), default=None,
                        help="shorthand for --set backend=...: threads in one process, or Ray actors")
     train.add_argument("--resume", action="store_true",

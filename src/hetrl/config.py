@@ -9,12 +9,13 @@ orchestrator backend, ``local`` or ``ray``). Every model forbids unknown keys, s
 naming it.
 
 Ownership: each setting lives in exactly one section. The correction is configured only in
-``correction`` and checkpoints only in ``checkpointing``; the trainer sections hold the
-backend's own settings, and :meth:`RunConfig.trainer_config` composes the full
-:class:`hetrl.trainer_jax.config.JaxTrainerConfig` or
-:class:`hetrl.trainer_megatron.config.MegatronTrainerConfig` from them. Switching trainers
-(``--trainer megatron`` or the override ``trainer.kind=megatron``) translates the trainer
-section to the other kind (:func:`translate_trainer_section`), so one config serves both.
+``correction`` and checkpoints only in ``checkpointing``; the ``trainer`` section is the
+trainer's own config as it stands (:class:`hetrl.trainer_jax.config.JaxTrainerConfig` or
+:class:`hetrl.trainer_megatron.config.MegatronTrainerConfig`, both
+:class:`hetrl.core.training.TrainerSettings` in one vocabulary plus their own keys). Switching
+trainers (``--trainer megatron`` or the override ``trainer.kind=megatron``) changes only the
+kind: the shared settings keep their meaning, and a setting the other trainer cannot honour is
+refused naming it (``trainer.distributed: a setting of the 'jax' trainer only ...``).
 
 :func:`load_config` reads a YAML file, applies overrides ``a.b[0].c=value`` (the value parsed as
 YAML, so ``2``, ``0.5``, ``true``, ``null``, ``[0.5, 2.0]`` are typed) and validates. Any
@@ -54,22 +55,15 @@ from hetrl.core.correction import CorrectionConfig, correction_preset
 from hetrl.core.schema import SamplingParams
 from hetrl.envs.options import CodingEnvOptions, SyntheticEnvOptions
 from hetrl.samplers.fleet import FleetConfig
-from hetrl.trainer_megatron.config import MegatronTrainerConfig, OptimizerSettings, ParallelConfig
+from hetrl.trainer_jax.config import JaxTrainerConfig
+from hetrl.trainer_megatron.config import MegatronTrainerConfig
 from hetrl.warmstart.config import WarmstartConfig
-from hetrl.trainer_jax.config import (
-    DistributedConfig,
-    JaxTrainerConfig,
-    MeshConfig,
-    OptimizerConfig,
-    PromptDataConfig,
-)
 
 __all__ = [
-    "ConfigError", "ModelSection", "JaxTrainerSection", "MegatronTrainerSection",
-    "TrainerSection", "CorrectionSection", "AsyncSection", "EnvironmentSection", "SyntheticEnvironmentSection",
+    "ConfigError", "ModelSection", "TrainerSection", "CorrectionSection", "AsyncSection", "EnvironmentSection", "SyntheticEnvironmentSection",
     "CodingEnvironmentSection", "LoggingSection",
     "CheckpointingSection", "RaySection", "RunConfig", "CONFIG_DIR", "load_config", "validate_config", "apply_override",
-    "load_yaml", "format_path", "translate_trainer_section",
+    "load_yaml", "format_path",
     "resolve_config_path", "resolve_file_paths", "PATH_KEYS",
 ]
 
@@ -112,50 +106,8 @@ class ModelSection(_Strict):
         return self
 
 
-class JaxTrainerSection(_Strict):
-    """The JAX trainer's own settings (those of :class:`JaxTrainerConfig` not owned by another
-    section; ``data.batch_size`` is set from ``async.batch_groups``)."""
-
-    kind: Literal["jax"] = "jax"
-    compute_dtype: Literal["bf16", "fp32"] = "bf16"
-    mesh: MeshConfig = MeshConfig()
-    optimizer: OptimizerConfig = OptimizerConfig()
-    normalize_advantage_std: bool = False
-    data: PromptDataConfig = PromptDataConfig()
-    distributed: DistributedConfig = DistributedConfig()
-
-    @model_validator(mode="before")
-    @classmethod
-    def _owned_elsewhere(cls, data: Any) -> Any:
-        if isinstance(data, dict) and isinstance(data.get("data"), dict) and "batch_size" in data["data"]:
-            raise ValueError("data.batch_size is set by async.batch_groups; remove it here")
-        return data
-
-
-class MegatronTrainerSection(_Strict):
-    """The Megatron trainer's settings (a stub of the run-config side: validated here, mapped to
-    :class:`hetrl.trainer_megatron.config.MegatronTrainerConfig` by the orchestrator). Parallel sizes: ``tensor x pipeline x data`` = world size; ``data_parallel = -1``
-    takes every rank left over. ``bf16``: BF16 parameters and activations with FP32 master
-    weights; False: FP32. ``micro_batch_size``: rows per forward/backward (None: all local rows)."""
-
-    kind: Literal["megatron"] = "megatron"
-    bf16: bool = True
-    tensor_parallel: int = Field(1, ge=1)
-    pipeline_parallel: int = Field(1, ge=1)
-    data_parallel: int = Field(-1, ge=-1)
-    micro_batch_size: int | None = Field(None, gt=0)
-    optimizer: OptimizerSettings = OptimizerSettings()
-    normalize_advantage_std: bool = False
-    kernel_fusion: bool = False
-
-    @model_validator(mode="after")
-    def _dp(self) -> "MegatronTrainerSection":
-        if self.data_parallel == 0:
-            raise ValueError("data_parallel must be >= 1 or -1 (all ranks left over)")
-        return self
-
-
-TrainerSection = Annotated[Union[JaxTrainerSection, MegatronTrainerSection], Field(discriminator="kind")]
+TrainerSection = Annotated[Union[JaxTrainerConfig, MegatronTrainerConfig], Field(discriminator="kind")]
+"""The trainer: ``kind`` (``jax`` | ``megatron``) and that trainer's config."""
 
 _CorrectionFields = create_model(
     "_CorrectionFields", __base__=_Strict,
@@ -287,17 +239,25 @@ class RaySection(_Strict):
     temp_dir: str | None = None
 
 
-class CheckpointingSection(_Strict):
-    """Trainer checkpoints in the run folder's ``checkpoints/``: one every ``every`` steps (0:
-    only at the end), the newest ``keep`` retained (None: all), written in the background
-    (``async_save``; Orbax only). ``resume``: continue the run in ``output_dir`` from its
+_CheckpointFields = create_model(
+    "_CheckpointFields", __base__=_Strict,
+    **{name: (info.annotation, info) for name, info in CheckpointConfig.model_fields.items() if name != "directory"},
+)
+
+
+class CheckpointingSection(_CheckpointFields):  # type: ignore[misc, valid-type]
+    """Trainer checkpoints in the run folder's ``checkpoints/``: the fields of
+    :class:`CheckpointConfig` but its ``directory`` (one every ``every`` steps, 0: only at the
+    end; the newest ``keep`` retained, None: all; written in the background with
+    ``async_save``, Orbax only). ``resume``: continue the run in ``output_dir`` from its
     newest checkpoint (with the rollout buffer's snapshot); without it a run refuses a folder
     that already holds one (:mod:`hetrl.orchestrator.run_folder`)."""
 
-    every: int = Field(0, ge=0)
-    keep: int | None = Field(3, gt=0)
-    async_save: bool = True
     resume: bool = False
+
+    def checkpoint_config(self, directory: str) -> CheckpointConfig:
+        """The trainers' :class:`CheckpointConfig` of this section, writing under ``directory``."""
+        return CheckpointConfig(directory=directory, **self.model_dump(exclude={"resume"}))
 
 
 class RunConfig(_Strict):
@@ -313,7 +273,7 @@ class RunConfig(_Strict):
     output_dir: str = "runs"
     backend: Literal["local", "ray"] = "local"
     model: ModelSection
-    trainer: TrainerSection = JaxTrainerSection()
+    trainer: TrainerSection = JaxTrainerConfig()
     fleet: FleetConfig
     correction: CorrectionSection = CorrectionSection()
     async_: AsyncSection = Field(AsyncSection(), alias="async")
@@ -343,54 +303,11 @@ class RunConfig(_Strict):
                     raise ValueError(f"fleet.pools[{pool.name}] with async.sampling: {err}") from None
         return self
 
-    def _checkpoint(self) -> CheckpointConfig:
-        c = self.checkpointing
-        return CheckpointConfig(directory=f"{self.output_dir.rstrip('/')}/checkpoints", every=c.every,
-                                keep=c.keep, async_save=c.async_save)
-
-    def trainer_config(self, world_size: int = 1) -> JaxTrainerConfig | MegatronTrainerConfig:
-        """The full config of the trainer ``trainer.kind`` names (``world_size``: the Megatron
-        trainer's number of ranks)."""
-        return self.jax_trainer_config() if self.trainer.kind == "jax" else self.megatron_trainer_config(world_size)
-
-    def jax_trainer_config(self) -> JaxTrainerConfig:
-        """The full :class:`JaxTrainerConfig` of a ``kind: jax`` trainer."""
-        t = self.trainer
-        if not isinstance(t, JaxTrainerSection):
-            raise ConfigError(f"trainer.kind is {t.kind!r}, not 'jax'")
-        return JaxTrainerConfig(
-            compute_dtype=t.compute_dtype, mesh=t.mesh, optimizer=t.optimizer,
-            correction_preset=self.correction.preset, correction_overrides=self.correction.overrides,
-            normalize_advantage_std=t.normalize_advantage_std, checkpoint=self._checkpoint(),
-            data=t.data.model_copy(update={"batch_size": self.async_.batch_groups}), distributed=t.distributed,
-        )
-
-    def megatron_trainer_config(self, world_size: int = 1) -> MegatronTrainerConfig:
-        """The full :class:`MegatronTrainerConfig` of a ``kind: megatron`` trainer on
-        ``world_size`` ranks (``data_parallel: -1`` takes the ranks left over)."""
-        t = self.trainer
-        if not isinstance(t, MegatronTrainerSection):
-            raise ConfigError(f"trainer.kind is {t.kind!r}, not 'megatron'")
-        model_parallel = t.tensor_parallel * t.pipeline_parallel
-        data = world_size // model_parallel if t.data_parallel == -1 else t.data_parallel
-        if data < 1 or model_parallel * data != world_size:
-            raise ConfigError(f"trainer: tensor_parallel {t.tensor_parallel} x pipeline_parallel {t.pipeline_parallel} "
-                              f"x data_parallel {t.data_parallel} does not fill the {world_size} trainer rank(s)")
-        return MegatronTrainerConfig(
-            bf16=t.bf16, parallel=ParallelConfig(tensor=t.tensor_parallel, pipeline=t.pipeline_parallel, data=data,
-                                                 seed=self.seed),
-            optimizer=t.optimizer, micro_batch_size=t.micro_batch_size, correction_preset=self.correction.preset,
-            correction_overrides=self.correction.overrides, normalize_advantage_std=t.normalize_advantage_std,
-            kernel_fusion=t.kernel_fusion, checkpoint=self._checkpoint(),
-        )
-
     def resolved(self) -> dict[str, Any]:
         """Plain data of the resolved config: every default filled in, the correction section
         with all thresholds of its preset + overrides (fields owned by another section left
         out), so that validating it again gives an equal config."""
         data = self.model_dump(mode="json", by_alias=True)
-        if data["trainer"]["kind"] == "jax":
-            del data["trainer"]["data"]["batch_size"]  # owned by async.batch_groups
         data["correction"] = {"preset": self.correction.preset, **self.correction.resolve().model_dump(mode="json")}
         return data
 
@@ -448,61 +365,10 @@ def format_path(parts: Sequence[str | int]) -> str:
     return out
 
 
-_SHARED_OPTIMIZER_KEYS = ("learning_rate", "b1", "b2", "eps", "weight_decay", "grad_clip", "warmup_steps")
-
-
-def translate_trainer_section(section: dict[str, Any], kind: str) -> dict[str, Any]:
-    """The raw trainer section ``section`` (of either kind) as a ``kind`` section with the same
-    meaning: precision (``compute_dtype: bf16|fp32`` <-> ``bf16: true|false``), tensor
-    parallelism (``mesh.tensor`` <-> ``tensor_parallel``), ``normalize_advantage_std`` and the
-    optimizer (AdamW hyper-parameters, clipping, warmup; a cosine decay to ``min_lr_ratio`` x
-    the rate at ``total_steps`` <-> to ``min_learning_rate`` at ``decay_steps``). Settings one
-    trainer has and the other has no counterpart for are left out (JAX: ``data``,
-    ``distributed``, the mesh's data/fsdp sizes; Megatron: ``micro_batch_size``,
-    ``kernel_fusion``, ``data_parallel``, ``optimizer.distributed``); one whose meaning cannot
-    be kept (a decay of vectors, a linear schedule, pipeline parallelism) raises
-    :class:`ConfigError` naming it."""
-    if kind not in ("jax", "megatron"):
-        raise ConfigError(f"trainer.kind: {kind!r} is not a trainer (jax | megatron)")
-    src_kind = section.get("kind", "jax")
-    if src_kind == kind:
-        return dict(section)
-    opt = dict(section.get("optimizer") or {})
-    out_opt = {k: opt[k] for k in _SHARED_OPTIMIZER_KEYS if k in opt}
-    schedule = opt.get("schedule", "constant")
-    rate = opt.get("learning_rate", 1e-6)
-    out: dict[str, Any] = {"kind": kind}
-    if "normalize_advantage_std" in section:
-        out["normalize_advantage_std"] = section["normalize_advantage_std"]
-    if kind == "megatron":
-        out["bf16"] = section.get("compute_dtype", "bf16") == "bf16"
-        out["tensor_parallel"] = (section.get("mesh") or {}).get("tensor", 1)
-        if opt.get("decay_vectors") and opt.get("weight_decay"):
-            raise ConfigError("trainer.optimizer.decay_vectors: the Megatron trainer never decays biases and norms")
-        if schedule == "cosine":
-            out_opt.update(schedule="cosine", decay_steps=opt.get("total_steps"),
-                           min_learning_rate=rate * opt.get("min_lr_ratio", 0.0))
-    else:
-        out["compute_dtype"] = "bf16" if section.get("bf16", True) else "fp32"
-        if section.get("pipeline_parallel", 1) != 1:
-            raise ConfigError("trainer.pipeline_parallel: the JAX trainer has no pipeline parallelism")
-        if section.get("tensor_parallel", 1) != 1:
-            out["mesh"] = {"data": 1, "fsdp": -1, "tensor": section["tensor_parallel"]}
-        if schedule == "linear":
-            raise ConfigError("trainer.optimizer.schedule: the JAX trainer has no 'linear' decay")
-        if schedule == "cosine":
-            out_opt.update(schedule="cosine", total_steps=opt.get("decay_steps"),
-                           min_lr_ratio=opt.get("min_learning_rate", 0.0) / rate)
-    if out_opt:
-        out["optimizer"] = out_opt
-    return out
-
-
 def apply_override(data: dict[str, Any], override: str) -> None:
     """Apply ``key=value`` to the raw config ``data`` in place. ``key`` is dotted with list
     indices (``fleet.pools[0].replicas``); missing maps on the way are created; an index must
-    exist or equal the list's length (append). ``value`` is parsed as YAML. ``trainer.kind``
-    set to the other trainer translates the section (:func:`translate_trainer_section`)."""
+    exist or equal the list's length (append). ``value`` is parsed as YAML."""
     key, sep, raw = override.partition("=")
     if not sep:
         raise ConfigError(f"override {override!r} must look like key=value")
@@ -511,9 +377,6 @@ def apply_override(data: dict[str, Any], override: str) -> None:
         value = load_yaml(raw) if raw.strip() else None
     except yaml.YAMLError as err:
         raise ConfigError(f"override {key}: value {raw!r} is not valid YAML: {err}") from None
-    if parts == ["trainer", "kind"] and isinstance(data.get("trainer"), dict) and value in ("jax", "megatron"):
-        data["trainer"] = translate_trainer_section(data["trainer"], value)
-        return
     node: Any = data
     for i, part in enumerate(parts):
         last = i == len(parts) - 1
@@ -586,9 +449,38 @@ def _step(tp: Any, part: str | int) -> Any:
     return None
 
 
+REMOVED_OUTPUT_KEYS = {("logging", "jsonl_path"): "metrics.jsonl", ("logging", "tensorboard_dir"): "tensorboard/",
+                       ("checkpointing", "directory"): "checkpoints/"}
+"""Output paths a config once set, now fixed inside the run folder (refused naming ``output_dir``)."""
+
+
+def _other_trainer_with(loc: Sequence[str | int]) -> str | None:
+    """The kind of the other trainer whose config has the key at pydantic location ``loc``
+    (``('trainer', kind, ...)``, a key the ``kind`` trainer lacks), else None."""
+    if len(loc) < 3 or loc[0] != "trainer":
+        return None
+    for other in _members(TrainerSection):
+        kind = get_args(other.model_fields["kind"].annotation)[0]
+        if kind != loc[1]:
+            tp: Any = other
+            for part in loc[2:]:
+                tp = _step(tp, part) if tp is not None else None
+            if tp is not None:
+                return kind
+    return None
+
+
 def _unknown_key_message(loc: Sequence[str | int]) -> str:
-    """``unknown key 'x'`` with the nearest field name of the model at ``loc`` (did you mean)."""
+    """``unknown key 'x'`` with the nearest field name of the model at ``loc`` (did you mean);
+    for a key of :data:`REMOVED_OUTPUT_KEYS`, where that output lives now."""
     key = loc[-1]
+    other = _other_trainer_with(loc)
+    if other is not None:
+        return (f"{key!r} is a setting of the {other!r} trainer only: the {loc[1]!r} trainer cannot honour it; "
+                f"remove it (or set trainer.kind: {other})")
+    if tuple(loc) in REMOVED_OUTPUT_KEYS:
+        return (f"every output of a run lives under output_dir (this one is <output_dir>/"
+                f"{REMOVED_OUTPUT_KEYS[tuple(loc)]}): remove {key!r} and set output_dir instead")
     tp: Any = RunConfig
     for part in loc[:-1]:
         tp = _step(tp, part) if tp is not None else None

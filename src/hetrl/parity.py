@@ -132,17 +132,17 @@ def _jax_trainer(compute_dtype: str) -> Callable[[pathlib.Path], Any]:
         from hetrl.trainer_jax import JaxTrainer, JaxTrainerConfig, MeshConfig
 
         config = JaxTrainerConfig(compute_dtype=compute_dtype, mesh=MeshConfig(data=1, fsdp=1, tensor=1),
-                                  correction_preset="hetrl", optimizer=OPTIMIZER)
+                                  optimizer=OPTIMIZER)
         return JaxTrainer.from_hf(directory, config)
 
     return load
 
 
-def _megatron_trainer(bf16: bool) -> Callable[[pathlib.Path], Any]:
+def _megatron_trainer(compute_dtype: str) -> Callable[[pathlib.Path], Any]:
     def load(directory: pathlib.Path):
         from hetrl.trainer_megatron import MegatronTrainer, MegatronTrainerConfig
 
-        config = MegatronTrainerConfig(bf16=bf16, micro_batch_size=MEGATRON_MICRO_BATCH, correction_preset="hetrl",
+        config = MegatronTrainerConfig(compute_dtype=compute_dtype, micro_batch_size=MEGATRON_MICRO_BATCH,
                                        optimizer=OPTIMIZER)
         return MegatronTrainer.from_hf(directory, config)
 
@@ -167,7 +167,7 @@ def _embedded_sampler(directory: pathlib.Path, weight_format: str = "fp32", pool
 
 LOADERS: dict[str, Callable[[pathlib.Path], Any]] = {
     "transformers": _transformers_model, "jax": _jax_trainer("fp32"), "jax-bf16": _jax_trainer("bf16"),
-    "megatron": _megatron_trainer(False), "megatron-bf16": _megatron_trainer(True), "embedded": _embedded_sampler,
+    "megatron": _megatron_trainer("fp32"), "megatron-bf16": _megatron_trainer("bf16"), "embedded": _embedded_sampler,
 }
 
 

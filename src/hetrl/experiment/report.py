@@ -250,7 +250,7 @@ def _megatron(grid: _Grid, out: pathlib.Path, claim: Claim) -> list[str]:
     ]
     kept = welch_interval(column(grid.by_arm, m.corrected, "heldout_end"), column(grid.by_arm, m.homogeneous, "heldout_end"))
     lines = [SECTIONS[6], "", f"The same runs with `hetrl train --trainer megatron` (megatron-core, the config's trainer "
-             f"section translated): homogeneous `{m.homogeneous}` and mixed `{m.mixed}` uncorrected, mixed corrected "
+             f"settings under kind megatron): homogeneous `{m.homogeneous}` and mixed `{m.mixed}` uncorrected, mixed corrected "
              f"`{m.corrected}`.", "",
              *_arm_table(grid, arms, ["heldout_start", "heldout_end", "heldout_change", "k3_mean", "k3_slope",
                                       "grad_spikes", "masked_frac"]),

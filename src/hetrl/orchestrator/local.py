@@ -9,17 +9,13 @@ quantized once per weight format, loaded in place).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 from hetrl.orchestrator.loop import AsyncOrchestrator, build_embedded_sampler
-from hetrl.orchestrator.trainer_handle import TrainerHandle, build_trainer
+from hetrl.orchestrator.trainer_handle import TrainerHandle, TrainerSetup, build_trainer
 from hetrl.orchestrator.transport import InProcessTransport, WeightTransport
 from hetrl.samplers.base import Sampler
 from hetrl.samplers.profiles import SamplerNumerics
-
-if TYPE_CHECKING:
-    from hetrl.trainer_jax.config import JaxTrainerConfig
-    from hetrl.trainer_megatron.config import MegatronTrainerConfig
 
 __all__ = ["LocalOrchestrator"]
 
@@ -32,8 +28,8 @@ class LocalOrchestrator(AsyncOrchestrator):
     def _create_sampler(self, numerics: SamplerNumerics, *, pool: str, seed: int) -> Sampler:
         return build_embedded_sampler(self.model_dir, numerics, pool=pool, seed=seed)
 
-    def _create_trainer(self, config: "JaxTrainerConfig | MegatronTrainerConfig") -> TrainerHandle:
-        return build_trainer(self.model_dir, config)
+    def _create_trainer(self, setup: TrainerSetup) -> TrainerHandle:
+        return build_trainer(self.model_dir, setup)
 
     def _embedded_transport(self, numerics: Sequence[SamplerNumerics]) -> WeightTransport:
         return InProcessTransport(self.model_config, numerics)

@@ -101,7 +101,7 @@ import time
 import zlib
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -122,22 +122,18 @@ from hetrl.orchestrator.episodes import EpisodeRunner
 from hetrl.orchestrator.evaluation import evaluate_tasks
 from hetrl.orchestrator.ledger import Closed, GroupLedger, GroupSpec
 from hetrl.orchestrator.monitors import build_monitors
-from hetrl.orchestrator.preflight import TRAINER_RANKS, check_runnable
+from hetrl.orchestrator.preflight import check_runnable
 from hetrl.orchestrator.report import RunConsole, write_plots
 from hetrl.orchestrator.run_folder import RunFolder, write_atomic
 from hetrl.orchestrator.schedule import Driver, Schedule, make_schedule
 from hetrl.orchestrator.tasks import TaskSource
-from hetrl.orchestrator.trainer_handle import TrainerHandle
+from hetrl.orchestrator.trainer_handle import TrainerHandle, TrainerSetup
 from hetrl.orchestrator.transport import SharedDiskTransport, WeightPublisher, WeightTransport
 from hetrl.samplers.base import Generation, GenerationRequest, Sampler, can_reseed
 from hetrl.samplers.faults import ChaosLedger, ChaosSampler
 from hetrl.samplers.fleet import Fleet, JobResult, PoolConfig, Replica
 from hetrl.samplers.profiles import SamplerNumerics, sampler_numerics
 from hetrl.stopping import Stopped
-
-if TYPE_CHECKING:
-    from hetrl.trainer_jax.config import JaxTrainerConfig
-    from hetrl.trainer_megatron.config import MegatronTrainerConfig
 
 __all__ = ["EvalOptions", "SyntheticEnvOptions", "AsyncOrchestrator", "RunResult",
            "SamplerWrapper", "Retracted", "build_embedded_sampler", "SAMPLER_BATCH", "write_atomic"]
@@ -236,7 +232,6 @@ class AsyncOrchestrator(abc.ABC):
     def __init__(self, config: RunConfig, *, wrap_sampler: SamplerWrapper | None = None, console: bool | None = None):
         check_runnable(config)
         self.options: SyntheticEnvOptions | CodingEnvOptions = config.environment.options
-        self.trainer_config = config.trainer_config(world_size=TRAINER_RANKS)
         self.config = config
         self.wrap_sampler = wrap_sampler
         self.console = config.logging.console if console is None else console
@@ -270,8 +265,8 @@ class AsyncOrchestrator(abc.ABC):
         """``build_embedded_sampler(self.model_dir, numerics, pool=pool, seed=seed)``, wherever it runs."""
 
     @abc.abstractmethod
-    def _create_trainer(self, config: "JaxTrainerConfig | MegatronTrainerConfig") -> TrainerHandle:
-        """``build_trainer(self.model_dir, config)``, wherever it runs."""
+    def _create_trainer(self, setup: TrainerSetup) -> TrainerHandle:
+        """``build_trainer(self.model_dir, setup)``, wherever it runs."""
 
     @abc.abstractmethod
     def _embedded_transport(self, numerics: Sequence[SamplerNumerics]) -> WeightTransport:
@@ -324,10 +319,9 @@ class AsyncOrchestrator(abc.ABC):
         self.suite = suite
         self.eval_tasks = suite.heldout[: self.options.eval.tasks]
 
-        tcfg = self.trainer_config.model_copy(update={"checkpoint": self.trainer_config.checkpoint.model_copy(
-            update={"directory": str(self.checkpoint_dir.resolve())})})
-        self.needs_old_logprobs = tcfg.correction.ppo_clip is not None
-        self.trainer = self._create_trainer(tcfg)
+        setup = TrainerSetup.of(cfg, self.checkpoint_dir.resolve())
+        self.needs_old_logprobs = setup.correction.ppo_clip is not None
+        self.trainer = self._create_trainer(setup)
         self._check_stop()
         self.fleet = Fleet.from_config(cfg.fleet, self._make_sampler)
         self.publisher = WeightPublisher(self.fleet, self._transports())

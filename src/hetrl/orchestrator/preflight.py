@@ -21,31 +21,35 @@ __all__ = ["TRAINER_RANKS", "runnable_problems", "check_runnable"]
 TRAINER_RANKS = 1
 """Ranks the loop runs the trainer on (multi-rank training has not landed)."""
 
+
 def _trainer_problems(config: RunConfig) -> list[str]:
     t = config.trainer
+    m = t.mesh
     if t.kind == "megatron":
-        ranks = t.tensor_parallel * t.pipeline_parallel * max(t.data_parallel, 1)
-        if ranks != TRAINER_RANKS:
-            return [f"trainer: tensor_parallel {t.tensor_parallel} x pipeline_parallel {t.pipeline_parallel} x "
-                    f"data_parallel {t.data_parallel} needs {ranks} trainer ranks and the loop runs the trainer as "
-                    f"{TRAINER_RANKS} (multi-rank training has not landed); set trainer.tensor_parallel and "
-                    f"trainer.pipeline_parallel to 1 (data_parallel to 1 or -1)"]
+        try:
+            t.parallel_sizes(TRAINER_RANKS)
+        except ValueError:
+            fixed = math.prod(s for s in (m.data, m.fsdp, m.tensor) if s != -1) * m.pipeline
+            return [f"trainer.mesh: data {m.data} x fsdp {m.fsdp} x tensor {m.tensor} needs "
+                    f"{'a multiple of ' if -1 in (m.data, m.fsdp, m.tensor) else ''}{fixed} trainer ranks "
+                    f"and the loop runs the trainer as {TRAINER_RANKS} (multi-rank training has not landed); set "
+                    f"the mesh sizes to 1 (one of data, fsdp, tensor may be -1)"]
         return []
     problems = []
     d = t.distributed
     if d.auto or d.coordinator_address or (d.num_processes or 1) > 1:
         problems.append("trainer.distributed: multi-process start-up needs multi-rank training, which the loop does "
                         "not run yet; remove trainer.distributed")
-    fixed = math.prod(s for s in (t.mesh.data, t.mesh.fsdp, t.mesh.tensor) if s != -1)
+    fixed = math.prod(s for s in (m.data, m.fsdp, m.tensor) if s != -1)
     if fixed > 1:
         import jax
 
         devices = jax.local_device_count()
         try:
-            t.mesh.resolve(devices)
+            m.resolve(devices)
         except ValueError:
-            problems.append(f"trainer.mesh: data {t.mesh.data} x fsdp {t.mesh.fsdp} x tensor {t.mesh.tensor} needs "
-                            f"{'a multiple of ' if -1 in (t.mesh.data, t.mesh.fsdp, t.mesh.tensor) else ''}{fixed} "
+            problems.append(f"trainer.mesh: data {m.data} x fsdp {m.fsdp} x tensor {m.tensor} needs "
+                            f"{'a multiple of ' if -1 in (m.data, m.fsdp, m.tensor) else ''}{fixed} "
                             f"devices and this machine has {devices} ({jax.default_backend()}); set the mesh sizes "
                             f"to fit, e.g. trainer.mesh: {{data: 1, fsdp: -1, tensor: 1}}")
     return problems

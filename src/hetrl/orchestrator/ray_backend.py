@@ -35,22 +35,18 @@ import os
 import pathlib
 import shutil
 import tempfile
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import ray
 
 from hetrl.core.schema import RolloutBatch, SamplerInfo
 from hetrl.orchestrator.loop import AsyncOrchestrator, build_embedded_sampler
-from hetrl.orchestrator.trainer_handle import TrainerHandle, build_trainer
+from hetrl.orchestrator.trainer_handle import TrainerHandle, TrainerSetup, build_trainer
 from hetrl.orchestrator.transport import RayObjectStoreTransport, WeightTransport, object_ref
 from hetrl.samplers.base import Generation, GenerationRequest, Sampler, SamplerHealth
 from hetrl.samplers.profiles import SamplerNumerics
 from hetrl.stopping import reclaim_signals
-
-if TYPE_CHECKING:
-    from hetrl.trainer_jax.config import JaxTrainerConfig
-    from hetrl.trainer_megatron.config import MegatronTrainerConfig
 
 __all__ = ["RayOrchestrator", "RaySampler", "RayTrainer", "HostActor"]
 
@@ -189,8 +185,8 @@ class RayOrchestrator(AsyncOrchestrator):
     def _create_sampler(self, numerics: SamplerNumerics, *, pool: str, seed: int) -> Sampler:
         return RaySampler(self._host(build_embedded_sampler, self.model_dir, numerics, pool=pool, seed=seed))
 
-    def _create_trainer(self, config: "JaxTrainerConfig | MegatronTrainerConfig") -> TrainerHandle:
-        return RayTrainer(self._host(build_trainer, self.model_dir, config))
+    def _create_trainer(self, setup: TrainerSetup) -> TrainerHandle:
+        return RayTrainer(self._host(build_trainer, self.model_dir, setup))
 
     def _embedded_transport(self, numerics: Sequence[SamplerNumerics]) -> WeightTransport:
         return RayObjectStoreTransport()

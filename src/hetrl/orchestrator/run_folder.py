@@ -47,11 +47,13 @@ __all__ = ["RunFolder", "FIXED_BY_RUN", "NOT_COMPARED", "compare_configs", "flat
 
 log = logging.getLogger(__name__)
 
-FIXED_BY_RUN = ("trainer.kind", "trainer.compute_dtype", "trainer.bf16", "model", "fleet.pools", "seed", "environment",
-                "async.group_size", "async.batch_groups")
+FIXED_BY_RUN = ("trainer.kind", "trainer.compute_dtype", "model.tiny", "model.seed", "model.warmstart",
+                "model.path", "fleet.pools", "seed", "environment", "async.group_size", "async.batch_groups")
 """Settings (dotted prefixes of the resolved config) a resumed run must keep: the checkpoint's
 trainer and its precision, the policy it started from, the fleet whose counters and buffer the
-checkpoint holds, the tasks and data order, and the batch shape of the buffered groups."""
+checkpoint holds, the tasks and data order, and the batch shape of the buffered groups. The
+model's ``cache_dir`` is not among them: it says where a built model is kept, not which one
+(a resume with another one warns, and builds the same model there if it is missing)."""
 
 NOT_COMPARED = ("name", "output_dir", "backend", "ray", "logging", "checkpointing.resume")
 """Settings that do not change what is trained (where and how it is run and shown)."""

@@ -6,7 +6,12 @@ ids suffixed ``@<e>`` for ``e >= 1``). Memory stays flat over passes: the source
 of the current pass and their prompt ids only; a task of another pass (a group submitted again,
 or in flight at the checkpoint a run resumes from) is rebuilt from its id (:meth:`resolve`;
 the last such pass is kept). Fixed task sets (:class:`~hetrl.envs.task_files.TaskSplits`, of
-``environment.name: coding``) have the same tasks, under the same ids, in every pass.
+``environment.name: coding``) have the same tasks, under the same ids, in every pass. The
+source's position (:meth:`TaskSource.state`: the generator, the rest of the pass's order) is
+saved beside each checkpoint in ``loop-<step>.json``, the same for either trainer. One reader on
+the driver draws a task at a time, so a data pipeline (Grain: per-process shards, read-ahead
+threads) has nothing to do here; its per-element index shuffle also cost about 5 ms a task
+(grain 0.2.18, measured on this machine), against microseconds for a permutation.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The trainer as the loop sees it: the :class:`TrainerHandle` protocol and :func:`build_trainer`.
+"""The trainer as the loop sees it: the :class:`TrainerHandle` protocol, the :class:`TrainerSetup`
+it is built from and :func:`build_trainer`.
 
 Both trainers (:class:`hetrl.trainer_jax.trainer.JaxTrainer`,
 :class:`hetrl.trainer_megatron.trainer.MegatronTrainer`) have this interface without importing
@@ -12,17 +13,39 @@ sent, :attr:`hetrl.samplers.fleet.Fleet.published_version`).
 from __future__ import annotations
 
 import pathlib
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from hetrl.core.checkpoints import CheckpointConfig
+from hetrl.core.correction import CorrectionConfig
 from hetrl.core.schema import RolloutBatch
 
 if TYPE_CHECKING:
+    from hetrl.config import RunConfig
     from hetrl.trainer_jax.config import JaxTrainerConfig
     from hetrl.trainer_megatron.config import MegatronTrainerConfig
 
-__all__ = ["TrainerHandle", "build_trainer"]
+__all__ = ["TrainerHandle", "TrainerSetup", "build_trainer"]
+
+
+@dataclass(frozen=True)
+class TrainerSetup:
+    """What a trainer is built from: its ``settings`` (the run config's ``trainer`` section, whose
+    ``kind`` picks the trainer), the resolved ``correction``, the ``checkpoint`` policy and the
+    run's ``seed`` (megatron's model-parallel RNG tracker)."""
+
+    settings: "JaxTrainerConfig | MegatronTrainerConfig"
+    correction: CorrectionConfig
+    checkpoint: CheckpointConfig
+    seed: int = 0
+
+    @classmethod
+    def of(cls, config: "RunConfig", checkpoint_dir: str | pathlib.Path) -> "TrainerSetup":
+        """The setup of ``config``'s trainer, checkpointing under ``checkpoint_dir``."""
+        return cls(config.trainer, config.correction.resolve(),
+                   config.checkpointing.checkpoint_config(str(checkpoint_dir)), config.seed)
 
 
 class TrainerHandle(Protocol):
@@ -46,16 +69,15 @@ class TrainerHandle(Protocol):
     def close(self) -> None: ...
 
 
-def build_trainer(model_dir: str | pathlib.Path, config: "JaxTrainerConfig | MegatronTrainerConfig") -> TrainerHandle:
-    """The trainer ``config`` configures (:class:`hetrl.trainer_jax.trainer.JaxTrainer` or
+def build_trainer(model_dir: str | pathlib.Path, setup: TrainerSetup) -> TrainerHandle:
+    """The trainer ``setup`` describes (:class:`hetrl.trainer_jax.trainer.JaxTrainer` or
     :class:`hetrl.trainer_megatron.trainer.MegatronTrainer`), initialized from the HF
     checkpoint in ``model_dir``."""
-    from hetrl.trainer_megatron.config import MegatronTrainerConfig
-
-    if isinstance(config, MegatronTrainerConfig):
+    if setup.settings.kind == "megatron":
         from hetrl.trainer_megatron.trainer import MegatronTrainer
 
-        return MegatronTrainer.from_hf(model_dir, config)
+        return MegatronTrainer.from_hf(model_dir, setup.settings, correction=setup.correction,
+                                       checkpoint=setup.checkpoint, seed=setup.seed)
     from hetrl.trainer_jax.trainer import JaxTrainer
 
-    return JaxTrainer.from_hf(model_dir, config)
+    return JaxTrainer.from_hf(model_dir, setup.settings, correction=setup.correction, checkpoint=setup.checkpoint)

@@ -1,13 +1,14 @@
-"""Training checkpoints with Orbax: parameters, optimizer state, metadata, data-iterator state.
+"""Training checkpoints with Orbax: parameters, optimizer state, metadata.
 
-One checkpoint per step under ``directory/<step>/`` with four items:
+One checkpoint per step under ``directory/<step>/`` with three items:
 
 * ``params`` and ``opt_state``: pytrees of (possibly sharded, multi-host) ``jax.Array`` s,
   written by every process for its own shards and restored straight into the shardings of an
   abstract target (``jax.ShapeDtypeStruct`` with ``sharding``), so a restore needs no host copy;
-* ``meta``: JSON (step, trainer version, the model config, anything the caller adds);
-* ``data`` (optional): the state of a Grain iterator (one file per process), restored into the
-  caller's freshly built iterator so the next batch is the one an uninterrupted run would see.
+* ``meta``: JSON (step, trainer version, the model config, anything the caller adds).
+
+The position in the data is the loop's, saved beside the checkpoint by the orchestrator
+(``loop-<step>.json``, :class:`hetrl.orchestrator.tasks.TaskSource`), the same for either trainer.
 
 Retention: at most ``keep`` checkpoints remain (Orbax ``max_to_keep``; oldest deleted first).
 Saves are asynchronous when ``async_save`` (device-to-host copy is synchronous, the write runs in
@@ -25,7 +26,6 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
-import grain
 import jax
 import orbax.checkpoint as ocp
 
@@ -50,27 +50,22 @@ class TrainCheckpointer:
                 "params": ocp.StandardCheckpointHandler(),
                 "opt_state": ocp.StandardCheckpointHandler(),
                 "meta": ocp.JsonCheckpointHandler(),
-                "data": grain.checkpoint.CheckpointHandler(),
             },
         )
 
-    def save(self, step: int, params: Any, opt_state: Any, meta: dict[str, Any],
-             data_iterator: grain.DatasetIterator | None = None) -> None:
+    def save(self, step: int, params: Any, opt_state: Any, meta: dict[str, Any]) -> None:
         """Write checkpoint ``step`` (collective: every process calls it)."""
         items = dict(
             params=ocp.args.StandardSave(params),
             opt_state=ocp.args.StandardSave(opt_state),
             meta=ocp.args.JsonSave(meta),
         )
-        if data_iterator is not None:
-            items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
         self._manager.save(step, args=ocp.args.Composite(**items), force=True)
 
-    def restore(self, params_target: Any, opt_state_target: Any, step: int | None = None,
-                data_iterator: grain.DatasetIterator | None = None) -> tuple[Any, Any, dict[str, Any]]:
+    def restore(self, params_target: Any, opt_state_target: Any,
+                step: int | None = None) -> tuple[Any, Any, dict[str, Any]]:
         """``(params, opt_state, meta)`` of checkpoint ``step`` (default: the latest), placed as
-        the abstract targets say; ``data_iterator``'s state is set in place. Raises
-        ``FileNotFoundError`` when there is no such checkpoint."""
+        the abstract targets say. Raises ``FileNotFoundError`` when there is no such checkpoint."""
         self.wait()
         step = self.latest_step() if step is None else step
         if step is None or step not in self.all_steps():
@@ -80,10 +75,6 @@ class TrainCheckpointer:
             opt_state=ocp.args.StandardRestore(opt_state_target),
             meta=ocp.args.JsonRestore(),
         )
-        if data_iterator is not None:
-            if not (self.directory / str(step) / "data").exists():
-                raise FileNotFoundError(f"checkpoint {step} in {self.directory} holds no data-iterator state")
-            items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
         out = self._manager.restore(step, args=ocp.args.Composite(**items))
         return out["params"], out["opt_state"], dict(out["meta"])
 

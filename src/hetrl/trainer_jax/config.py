@@ -1,106 +1,25 @@
-"""Configuration of the JAX trainer (pydantic, framework-free).
+"""Configuration of the JAX trainer (pydantic, framework-free; the run config's ``trainer``
+section when ``kind: jax``).
 
-:class:`JaxTrainerConfig` gathers: the optimizer (:class:`OptimizerConfig`, AdamW with global-norm
-clipping and a warmup schedule), the compute precision (``bf16``: FP32 master weights, BF16
-matmuls with FP32 accumulation; ``fp32``: everything in FP32), the device mesh
-(:class:`MeshConfig`, axes ``data`` x ``fsdp`` x ``tensor``), the off-policy correction (a preset
-of :data:`hetrl.core.correction.PRESETS` plus field overrides), checkpointing
-(:class:`hetrl.core.checkpoints.CheckpointConfig`), the prompt pipeline (:class:`PromptDataConfig`)
-and the multi-host start-up (:class:`DistributedConfig`).
+:class:`JaxTrainerConfig` is the shared :class:`hetrl.core.training.TrainerSettings` (compute
+precision, the device mesh over axes ``data`` x ``fsdp`` x ``tensor``, the optimizer) plus the
+multi-host start-up (:class:`DistributedConfig`). The off-policy correction and the checkpoint
+policy are given to :class:`hetrl.trainer_jax.trainer.JaxTrainer` beside it.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from hetrl.core.checkpoints import CheckpointConfig
-from hetrl.core.correction import CorrectionConfig, correction_preset
+from hetrl.core.training import MESH_AXES, MeshConfig, OptimizerConfig, TrainerSettings
 
-MESH_AXES: tuple[str, str, str] = ("data", "fsdp", "tensor")
-"""Mesh axis names, outermost first. The batch axis is sharded over ``("data", "fsdp")``."""
+__all__ = ["JaxTrainerConfig", "DistributedConfig", "MeshConfig", "OptimizerConfig", "MESH_AXES"]
 
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class MeshConfig(_Frozen):
-    """Sizes of the mesh axes; exactly one may be ``-1`` = all devices left over.
-
-    ``data``: pure data parallelism (parameters replicated); ``fsdp``: data parallelism with
-    parameters and optimizer state sharded; ``tensor``: tensor (model) parallelism.
-    """
-
-    data: int = Field(1, ge=-1)
-    fsdp: int = Field(-1, ge=-1)
-    tensor: int = Field(1, ge=-1)
-
-    @model_validator(mode="after")
-    def _sizes(self) -> "MeshConfig":
-        sizes = (self.data, self.fsdp, self.tensor)
-        if 0 in sizes:
-            raise ValueError(f"mesh axis sizes must be positive or -1, got {dict(zip(MESH_AXES, sizes))}")
-        if sizes.count(-1) > 1:
-            raise ValueError("at most one mesh axis may be -1")
-        return self
-
-    def resolve(self, num_devices: int) -> tuple[int, int, int]:
-        """``(data, fsdp, tensor)`` with the ``-1`` axis filled so the product is ``num_devices``."""
-        sizes = [self.data, self.fsdp, self.tensor]
-        fixed = math.prod(s for s in sizes if s != -1)
-        if -1 in sizes:
-            if num_devices % fixed:
-                raise ValueError(f"{num_devices} devices cannot be split into a mesh with fixed axes of product {fixed}")
-            sizes[sizes.index(-1)] = num_devices // fixed
-        if math.prod(sizes) != num_devices:
-            raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, {num_devices} available")
-        return tuple(sizes)  # type: ignore[return-value]
-
-
-class OptimizerConfig(_Frozen):
-    """AdamW: ``m ← β1·m + (1−β1)·g``, ``v ← β2·v + (1−β2)·g²``,
-    ``θ ← θ − η_t·(m̂/(√v̂ + ε) + λ·θ)``, after clipping g to global norm ``grad_clip``.
-
-    Schedule ``η_t``: linear warmup from 0 over ``warmup_steps``, then constant, or cosine decay
-    to ``min_lr_ratio·learning_rate`` at ``total_steps``. Weight decay λ applies to matrices
-    only (ndim ≥ 2) unless ``decay_vectors``.
-    """
-
-    learning_rate: float = Field(1e-6, gt=0.0)
-    b1: float = Field(0.9, ge=0.0, lt=1.0)
-    b2: float = Field(0.999, ge=0.0, lt=1.0)
-    eps: float = Field(1e-8, gt=0.0)
-    weight_decay: float = Field(0.0, ge=0.0)
-    decay_vectors: bool = False
-    grad_clip: float | None = Field(1.0, gt=0.0, description="global-norm clip; None disables")
-    warmup_steps: int = Field(0, ge=0)
-    schedule: Literal["constant", "cosine"] = "constant"
-    total_steps: int | None = Field(None, gt=0, description="end of the cosine decay")
-    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
-
-    @model_validator(mode="after")
-    def _cosine(self) -> "OptimizerConfig":
-        if self.schedule == "cosine" and (self.total_steps is None or self.total_steps <= self.warmup_steps):
-            raise ValueError("schedule 'cosine' needs total_steps > warmup_steps")
-        return self
-
-
-class PromptDataConfig(_Frozen):
-    """The prompt pipeline: ``batch_size`` prompts per global batch (split evenly over the
-    processes), shuffled by ``seed`` (re-shuffled each epoch), ``num_epochs`` passes (None:
-    forever); a final partial batch is dropped. ``read_threads`` background threads keep up to
-    ``prefetch`` batches read ahead (0 threads: read on demand); prompts are cheap to read, so
-    the defaults keep few Python threads competing with the training loop."""
-
-    batch_size: int = Field(8, gt=0)
-    seed: int = Field(0, ge=0, lt=2**32)
-    shuffle: bool = True
-    num_epochs: int | None = Field(None, gt=0)
-    read_threads: int = Field(1, ge=0)
-    prefetch: int = Field(16, ge=0)
 
 
 class DistributedConfig(_Frozen):
@@ -120,25 +39,16 @@ class DistributedConfig(_Frozen):
     cpu_collectives: Literal["gloo", "mpi"] = Field("gloo", description="cross-process collectives of the CPU backend")
 
 
-class JaxTrainerConfig(_Frozen):
-    """Everything the JAX trainer needs besides the model checkpoint."""
+class JaxTrainerConfig(TrainerSettings):
+    """Everything the JAX trainer is configured by besides the model, the correction and the
+    checkpoint policy: :class:`TrainerSettings` and ``distributed``."""
 
-    compute_dtype: Literal["bf16", "fp32"] = "bf16"
-    mesh: MeshConfig = MeshConfig()
-    optimizer: OptimizerConfig = OptimizerConfig()
-    correction_preset: str = "hetrl"
-    correction_overrides: dict[str, Any] = Field(default_factory=dict)
-    normalize_advantage_std: bool = Field(False, description="GRPO: divide A by the group std")
-    checkpoint: CheckpointConfig = CheckpointConfig()
-    data: PromptDataConfig = PromptDataConfig()
+    kind: Literal["jax"] = "jax"
     distributed: DistributedConfig = DistributedConfig()
 
-    @model_validator(mode="after")
-    def _correction_valid(self) -> "JaxTrainerConfig":
-        correction_preset(self.correction_preset, **self.correction_overrides)  # raises on a bad preset/override
-        return self
-
-    @property
-    def correction(self) -> CorrectionConfig:
-        """The resolved :class:`CorrectionConfig` (preset + overrides)."""
-        return correction_preset(self.correction_preset, **self.correction_overrides)
+    @field_validator("mesh")
+    @classmethod
+    def _no_pipeline(cls, mesh: MeshConfig) -> MeshConfig:
+        if mesh.pipeline != 1:
+            raise ValueError("the JAX trainer has no pipeline parallelism: set mesh.pipeline to 1")
+        return mesh

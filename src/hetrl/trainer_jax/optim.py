@@ -1,4 +1,4 @@
-"""The optimizer: global-norm clipping, then AdamW on a warmup (+ cosine) schedule.
+"""The optimizer: global-norm clipping, then AdamW on a warmup (+ linear or cosine decay) schedule.
 
 Update for gradient g at step t (0-based), with ``η_t`` from :func:`learning_rate_schedule`:
 ``g ← g · min(1, c / ‖g‖₂)`` (global norm over all parameters, ``c = grad_clip``), then AdamW
@@ -14,26 +14,28 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from hetrl.trainer_jax.config import OptimizerConfig
+from hetrl.core.training import OptimizerConfig
 
 __all__ = ["learning_rate_schedule", "make_optimizer"]
 
 
 def learning_rate_schedule(config: OptimizerConfig) -> optax.Schedule:
     """``η_t = η · min(1, (t+1)/W) · d_t`` with W = ``warmup_steps`` (no warmup factor when 0),
-    ``d_t = 1`` (constant) or ``d_t = r + (1−r)·½(1 + cos(π·clip((t−W)/(T−W), 0, 1)))``
-    (cosine to ``r = min_lr_ratio`` at ``T = total_steps``). The first step already moves."""
+    ``d_t = 1`` (constant), or with ``x = clip((t−W)/(T−W), 0, 1)`` and ``r = η_min/η``
+    (``min_learning_rate / learning_rate``), ``T = decay_steps``: ``d_t = r + (1−r)·(1 − x)``
+    (linear) or ``d_t = r + (1−r)·½(1 + cos(π·x))`` (cosine). The first step already moves."""
     lr, warmup = config.learning_rate, config.warmup_steps
+    r = config.min_learning_rate / lr
 
     def schedule(step):
         t = jnp.asarray(step, jnp.float32)
         rate = jnp.asarray(lr, jnp.float32)
         if warmup:
             rate = rate * jnp.minimum(1.0, (t + 1.0) / warmup)
-        if config.schedule == "cosine":
-            progress = jnp.clip((t - warmup) / (config.total_steps - warmup), 0.0, 1.0)
-            r = config.min_lr_ratio
-            rate = rate * (r + (1.0 - r) * 0.5 * (1.0 + jnp.cos(math.pi * progress)))
+        if config.schedule != "constant":
+            progress = jnp.clip((t - warmup) / (config.decay_steps - warmup), 0.0, 1.0)
+            left = 1.0 - progress if config.schedule == "linear" else 0.5 * (1.0 + jnp.cos(math.pi * progress))
+            rate = rate * (r + (1.0 - r) * left)
         return rate
 
     return schedule

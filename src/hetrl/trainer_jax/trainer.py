@@ -18,13 +18,14 @@ import os
 import pathlib
 from typing import Any, Mapping
 
-import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
 
+from hetrl.core.checkpoints import CheckpointConfig
+from hetrl.core.correction import PRESETS, CorrectionConfig
 from hetrl.core.schema import RolloutBatch
 from hetrl.models.config import ModelConfig
 from hetrl.models.hf_io import load_state_dict, save_hf_export
@@ -59,11 +60,12 @@ class JaxTrainer:
         hf_state: Mapping[str, np.ndarray],
         config: JaxTrainerConfig = JaxTrainerConfig(),
         *,
+        correction: CorrectionConfig = PRESETS["hetrl"],
+        checkpoint: CheckpointConfig = CheckpointConfig(),
         mesh: jax.sharding.Mesh | None = None,
     ):
-        self.config = config
+        self.config, self.correction, self.checkpoint = config, correction, checkpoint
         self.model_config = model_config
-        self.correction = config.correction
         self.mesh = make_mesh(config.mesh) if mesh is None else mesh
         model = from_hf_state_dict(model_config, hf_state, param_dtype=jnp.float32, numerics=numerics_for(config.compute_dtype))
         self._graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -86,10 +88,11 @@ class JaxTrainer:
         self._checkpointer: TrainCheckpointer | None = None
 
     @classmethod
-    def from_hf(cls, directory: str | os.PathLike, config: JaxTrainerConfig = JaxTrainerConfig(), *,
-                mesh: jax.sharding.Mesh | None = None) -> "JaxTrainer":
-        """A trainer initialized from an HF checkpoint directory (``config.json`` + safetensors)."""
-        return cls(ModelConfig.load(directory), load_state_dict(directory), config, mesh=mesh)
+    def from_hf(cls, directory: str | os.PathLike, config: JaxTrainerConfig = JaxTrainerConfig(),
+                **kwargs: Any) -> "JaxTrainer":
+        """A trainer initialized from an HF checkpoint directory (``config.json`` + safetensors);
+        ``kwargs``: those of the constructor (``correction``, ``checkpoint``, ``mesh``)."""
+        return cls(ModelConfig.load(directory), load_state_dict(directory), config, **kwargs)
 
     @property
     def version(self) -> int:
@@ -177,25 +180,24 @@ class JaxTrainer:
     # ------------------------------------------------------------------ checkpoints
     def _checkpoints(self) -> TrainCheckpointer:
         if self._checkpointer is None:
-            cfg = self.config.checkpoint
+            cfg = self.checkpoint
             if cfg.directory is None:
-                raise ValueError("config.checkpoint.directory is not set")
+                raise ValueError("checkpoint.directory is not set")
             self._checkpointer = TrainCheckpointer(cfg.directory, keep=cfg.keep, async_save=cfg.async_save)
         return self._checkpointer
 
-    def save(self, data_iterator: grain.DatasetIterator | None = None, *, force: bool = True) -> bool:
-        """Checkpoint the state at :attr:`step` (with ``data_iterator``'s position, if given).
-        ``force=False`` saves only every ``config.checkpoint.every`` steps. Returns whether it saved."""
-        if not force and not self.config.checkpoint.due(self.step):
+    def save(self, *, force: bool = True) -> bool:
+        """Checkpoint the state at :attr:`step`. ``force=False`` saves only every
+        ``checkpoint.every`` steps. Returns whether it saved."""
+        if not force and not self.checkpoint.due(self.step):
             return False
         meta = {"step": self.step, "model_config": self.model_config.model_dump(mode="json")}
-        self._checkpoints().save(self.step, self.params, self.opt_state, meta, data_iterator)
+        self._checkpoints().save(self.step, self.params, self.opt_state, meta)
         return True
 
-    def restore(self, step: int | None = None, data_iterator: grain.DatasetIterator | None = None) -> int:
-        """Load checkpoint ``step`` (default: the latest) into this trainer, and
-        ``data_iterator``'s position; returns the restored step."""
-        params, opt_state, meta = self._checkpoints().restore(abstract_like(self.params), abstract_like(self.opt_state), step, data_iterator)
+    def restore(self, step: int | None = None) -> int:
+        """Load checkpoint ``step`` (default: the latest) into this trainer; returns the restored step."""
+        params, opt_state, meta = self._checkpoints().restore(abstract_like(self.params), abstract_like(self.opt_state), step)
         if meta["model_config"] != self.model_config.model_dump(mode="json"):
             raise ValueError(f"checkpoint model config {meta['model_config']} differs from this trainer's model")
         self.params, self.opt_state, self.step = params, opt_state, int(meta["step"])

@@ -15,8 +15,7 @@ access.
 
 import importlib
 
-_EXPORTS = {"ParallelConfig": "config", "OptimizerSettings": "config", "MegatronTrainerConfig": "config",
-            "MegatronTrainer": "trainer"}
+_EXPORTS = {"MegatronTrainerConfig": "config", "MegatronTrainer": "trainer"}
 __all__ = sorted(_EXPORTS)
 
 

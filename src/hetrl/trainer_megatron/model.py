@@ -14,7 +14,8 @@ takes the mask as [B, 1, L, L] bool with True = *masked*, so :func:`attention_ma
 ``target_ids[b, j]``).
 
 Parallelism: :func:`initialize_parallel` (the entry into megatron) starts ``torch.distributed`` (NCCL with CUDA, gloo
-without) and megatron's parallel state for ``tensor × pipeline × data`` ranks. The output layer
+without) and megatron's parallel state for ``tensor × pipeline × data`` ranks (a :class:`MeshConfig` resolved
+against the world size). The output layer
 gathers the vocabulary (``parallel_output=False``) since the correction needs full-vocabulary
 logits.
 """
@@ -28,11 +29,11 @@ import torch
 import torch.nn.functional as F
 
 from hetrl.models import ModelConfig
-from hetrl.trainer_megatron.config import ParallelConfig
+from hetrl.core.training import MeshConfig
 from hetrl.trainer_megatron.cpu_shim import apply_cpu_shim_if_needed
 
 __all__ = [
-    "ParallelConfig", "initialize_parallel", "transformer_config", "build_gpt_model", "attention_mask_4d",
+    "initialize_parallel", "transformer_config", "build_gpt_model", "attention_mask_4d",
     "forward_logits", "unwrap",
 ]
 
@@ -43,10 +44,11 @@ def _free_local_port() -> int:
         return sock.getsockname()[1]
 
 
-def initialize_parallel(parallel: ParallelConfig) -> None:
+def initialize_parallel(mesh: MeshConfig = MeshConfig(), seed: int = 0) -> tuple[int, int, int]:
     """Start ``torch.distributed`` (from the usual RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT
-    variables, single-process defaults otherwise) and megatron's parallel state, then seed the
-    model-parallel RNG tracker. Idempotent for the same sizes. Without CUDA, the CPU test shim
+    variables, single-process defaults otherwise) and megatron's parallel state for ``mesh`` on
+    its world size, then seed the model-parallel RNG tracker with ``seed``; returns the
+    ``(tensor, pipeline, data)`` sizes (data = the mesh's data x fsdp). Idempotent for the same sizes. Without CUDA, the CPU test shim
     is applied first (:mod:`.cpu_shim`).
 
     A single process (no ``WORLD_SIZE``) without ``MASTER_PORT`` takes a free local port, not
@@ -64,20 +66,18 @@ def initialize_parallel(parallel: ParallelConfig) -> None:
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         torch.distributed.init_process_group(backend, rank=rank, world_size=world)
-    world = torch.distributed.get_world_size()
-    if parallel.tensor * parallel.pipeline * parallel.data != world:
-        raise ValueError(f"tensor {parallel.tensor} × pipeline {parallel.pipeline} × data {parallel.data} "
-                         f"!= world size {world}")
+    data, fsdp, tensor = mesh.resolve(torch.distributed.get_world_size())
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(parallel.tensor, parallel.pipeline)
-    tensor_parallel.model_parallel_cuda_manual_seed(parallel.seed)
+        parallel_state.initialize_model_parallel(tensor, mesh.pipeline)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return tensor, mesh.pipeline, data * fsdp
 
 
-def transformer_config(model: ModelConfig, bf16: bool, parallel: ParallelConfig, kernel_fusion: bool = False):
+def transformer_config(model: ModelConfig, bf16: bool, *, tensor: int = 1, pipeline: int = 1, kernel_fusion: bool = False):
     """megatron ``TransformerConfig`` of the architecture.
 
     ``bf16``: parameters and activations in bfloat16 (attention softmax still in float32);
-    otherwise float32 everywhere. ``kernel_fusion``: megatron's fused kernels (masked softmax,
+    otherwise float32 everywhere. ``tensor``, ``pipeline``: the model-parallel sizes. ``kernel_fusion``: megatron's fused kernels (masked softmax,
     bias-dropout-add, RoPE, SwiGLU); they need CUDA.
     """
     from megatron.core.transformer import TransformerConfig
@@ -102,8 +102,8 @@ def transformer_config(model: ModelConfig, bf16: bool, parallel: ParallelConfig,
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
-        tensor_model_parallel_size=parallel.tensor,
-        pipeline_model_parallel_size=parallel.pipeline,
+        tensor_model_parallel_size=tensor,
+        pipeline_model_parallel_size=pipeline,
         use_cpu_initialization=True,
         masked_softmax_fusion=kernel_fusion,
         bias_activation_fusion=kernel_fusion,

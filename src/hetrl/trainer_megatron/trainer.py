@@ -21,7 +21,7 @@ supports ``[B, L, K]``), with θ the parameters:
 
 The model is wrapped in megatron's ``DistributedDataParallel`` (grad buffers, reduced in FP32).
 Checkpoints are megatron ``dist_checkpointing`` directories holding model, optimizer and
-scheduler state, one per step under ``config.checkpoint.directory`` (atomic: renamed once written); weights for samplers are exported under HF names (:mod:`.weights`).
+scheduler state, one per step under ``checkpoint.directory`` (atomic: renamed once written); weights for samplers are exported under HF names (:mod:`.weights`).
 
 On a machine without CUDA the CPU test shim (:mod:`.cpu_shim`) is applied by
 :func:`.model.initialize_parallel`; scripts using the trainer need a ``__main__`` guard.
@@ -38,9 +38,10 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 import torch
 
-from hetrl.core.checkpoints import complete_steps
+from hetrl.core.checkpoints import CheckpointConfig, complete_steps
 from hetrl.core.correction import (
-    TokenStats, grpo_advantages, loss_inputs, mismatch_metrics, policy_loss, token_entropy, token_logprobs,
+    PRESETS, CorrectionConfig, TokenStats, grpo_advantages, loss_inputs, mismatch_metrics, policy_loss, token_entropy,
+    token_logprobs,
 )
 from hetrl.core.schema import RolloutBatch
 from hetrl.core.xp import masked_mean
@@ -77,32 +78,35 @@ class MegatronTrainer:
     """
 
     def __init__(self, model_config: ModelConfig, hf_state: Mapping[str, np.ndarray],
-                 config: MegatronTrainerConfig = MegatronTrainerConfig()):
+                 config: MegatronTrainerConfig = MegatronTrainerConfig(), *,
+                 correction: CorrectionConfig = PRESETS["hetrl"], checkpoint: CheckpointConfig = CheckpointConfig(),
+                 seed: int = 0):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
         from megatron.core.transformer.module import Float16Module
 
-        self.config = config
+        self.config, self.correction, self.checkpoint = config, correction, checkpoint
         self.model_config = model_config
-        self.correction = config.correction
-        initialize_parallel(config.parallel)
-        self._tconfig = transformer_config(model_config, config.bf16, config.parallel, config.kernel_fusion)
+        bf16 = config.compute_dtype == "bf16"
+        tensor, pipeline, _ = initialize_parallel(config.mesh, seed)
+        self._tconfig = transformer_config(model_config, bf16, tensor=tensor, pipeline=pipeline,
+                                           kernel_fusion=config.kernel_fusion)
         gpt = build_gpt_model(model_config, self._tconfig)
         self.device = next(gpt.parameters()).device
         self._load_hf_into(gpt, hf_state)
-        module = Float16Module(self._tconfig, gpt) if config.bf16 else gpt
-        opt = config.optimizer
+        module = Float16Module(self._tconfig, gpt) if bf16 else gpt
+        opt, distributed = config.optimizer, config.distributed_optimizer
         self.model = DistributedDataParallel(
             self._tconfig,
-            DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=opt.distributed),
+            DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=distributed),
             module,
         )
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
                 optimizer="adam", lr=opt.learning_rate, min_lr=opt.min_learning_rate, weight_decay=opt.weight_decay,
                 adam_beta1=opt.b1, adam_beta2=opt.b2, adam_eps=opt.eps, clip_grad=opt.grad_clip or 0.0,
-                bf16=config.bf16, params_dtype=self._tconfig.params_dtype, use_distributed_optimizer=opt.distributed,
+                bf16=bf16, params_dtype=self._tconfig.params_dtype, use_distributed_optimizer=distributed,
             ),
             [self.model],
         )
@@ -118,9 +122,11 @@ class MegatronTrainer:
         self.step = 0
 
     @classmethod
-    def from_hf(cls, directory: str | os.PathLike, config: MegatronTrainerConfig = MegatronTrainerConfig()) -> "MegatronTrainer":
-        """A trainer initialized from an HF checkpoint directory (``config.json`` + safetensors)."""
-        return cls(ModelConfig.load(directory), load_state_dict(directory), config)
+    def from_hf(cls, directory: str | os.PathLike, config: MegatronTrainerConfig = MegatronTrainerConfig(),
+                **kwargs: Any) -> "MegatronTrainer":
+        """A trainer initialized from an HF checkpoint directory (``config.json`` + safetensors);
+        ``kwargs``: those of the constructor (``correction``, ``checkpoint``, ``seed``)."""
+        return cls(ModelConfig.load(directory), load_state_dict(directory), config, **kwargs)
 
     @property
     def version(self) -> int:
@@ -343,19 +349,19 @@ class MegatronTrainer:
         self.step = int(state["step"])
         return self.step
 
-    # The checkpoint policy of ``config.checkpoint``: ``<directory>/<step>/`` per checkpoint,
+    # The checkpoint policy of ``checkpoint``: ``<directory>/<step>/`` per checkpoint,
     # written under ``<step>.partial`` and renamed once complete (an interrupted save leaves the
     # previous checkpoints as the newest loadable ones), the newest ``keep`` retained.
     def _checkpoint_root(self) -> pathlib.Path:
-        if self.config.checkpoint.directory is None:
-            raise ValueError("config.checkpoint.directory is not set")
-        return pathlib.Path(self.config.checkpoint.directory).absolute()
+        if self.checkpoint.directory is None:
+            raise ValueError("checkpoint.directory is not set")
+        return pathlib.Path(self.checkpoint.directory).absolute()
 
     def save(self, *, force: bool = True) -> bool:
-        """Checkpoint the state at :attr:`step` under ``config.checkpoint.directory``;
-        ``force=False`` saves only every ``config.checkpoint.every`` steps. Returns whether it
+        """Checkpoint the state at :attr:`step` under ``checkpoint.directory``;
+        ``force=False`` saves only every ``checkpoint.every`` steps. Returns whether it
         saved (collective: every rank calls it)."""
-        if not force and not self.config.checkpoint.due(self.step):
+        if not force and not self.checkpoint.due(self.step):
             return False
         root = self._checkpoint_root()
         final, partial_dir = root / str(self.step), root / f"{self.step}.partial"
@@ -366,14 +372,14 @@ class MegatronTrainer:
         if torch.distributed.get_rank() == 0:
             shutil.rmtree(final, ignore_errors=True)
             partial_dir.rename(final)
-            keep = self.config.checkpoint.keep
+            keep = self.checkpoint.keep
             for old in complete_steps(root)[:-keep] if keep else []:
                 shutil.rmtree(root / str(old), ignore_errors=True)
         torch.distributed.barrier()
         return True
 
     def restore(self, step: int | None = None) -> int:
-        """Load checkpoint ``step`` (default: the newest) from ``config.checkpoint.directory``;
+        """Load checkpoint ``step`` (default: the newest) from ``checkpoint.directory``;
         returns the restored step."""
         steps = self.checkpoint_steps()
         if not steps or (step is not None and step not in steps):

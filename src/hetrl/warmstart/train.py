@@ -77,7 +77,7 @@ def run_warmstart(c: WarmstartConfig, out_dir: str | pathlib.Path, *, console: b
     from flax import nnx
 
     from hetrl.models.qwen_jax import QwenModel, to_hf_state_dict
-    from hetrl.trainer_jax.config import OptimizerConfig
+    from hetrl.core.training import OptimizerConfig
     from hetrl.trainer_jax.optim import make_optimizer
     from hetrl.trainer_jax.sft import pack_examples, make_sft_step
 
@@ -106,7 +106,8 @@ def run_warmstart(c: WarmstartConfig, out_dir: str | pathlib.Path, *, console: b
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     t = c.training
     tx = make_optimizer(OptimizerConfig(learning_rate=t.learning_rate, warmup_steps=t.warmup_steps, schedule="cosine",
-                                        total_steps=t.steps, min_lr_ratio=0.1, weight_decay=t.weight_decay))
+                                        decay_steps=t.steps, min_learning_rate=0.1 * t.learning_rate,
+                                        weight_decay=t.weight_decay))
     opt_state = tx.init(params)
     step = make_sft_step(graphdef, tx)
     curve: list[dict[str, float]] = []
