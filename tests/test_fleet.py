@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from hetrl.core.buffer import RolloutBuffer, RolloutGroup
-from hetrl.core.correction import TokenStats, mismatch_metrics
+from hetrl.core.correction import TokenStats, mismatch_metrics, pool_mismatch
 from hetrl.core.schema import Rollout, SamplingParams
 from hetrl.samplers.base import Generation, GenerationRequest, Sampler, SamplerHealth
 from hetrl.samplers.fleet import Fleet, FleetConfig, FleetError, PoolConfig
@@ -426,7 +426,7 @@ def test_mismatch_metrics_aggregate_per_pool_token_weighted():
                            sampler_head_mass=np.ones((B, L)), train_head_mass=np.ones((B, L)))
         pool_index = np.array([0, 0, 0, 1]) if scale == 0.1 else np.array([0, 1, 1, 1])
         m = mismatch_metrics(stats, mask, pool_index, ("fast", "slow"))
-        fleet.record_mismatch(m)
+        fleet.record_mismatch(pool_mismatch(m, ("fast", "slow")))
         steps.append(m)
     out = fleet.metrics()
     for name in ("fast", "slow"):
@@ -435,8 +435,11 @@ def test_mismatch_metrics_aggregate_per_pool_token_weighted():
         assert out[f"pool/{name}/mismatch_avg/k1"] == pytest.approx(np.dot(n, k1) / sum(n))
         assert out[f"pool/{name}/mismatch_avg/abs_logp_diff_max"] == pytest.approx(
             max(float(s[f"pool/{name}/mismatch/abs_logp_diff_max"]) for s in steps))
-    fleet.record_mismatch({"pool/unknown/mismatch/k1": 1.0, "mismatch/k1": 2.0})  # ignored
-    assert "pool/unknown/mismatch_avg/k1" not in fleet.metrics()
+        figures = fleet.pool_figures()[name]  # the typed view holds the same averages
+        prefix = f"pool/{name}/mismatch_avg/"
+        assert figures.mismatch_avg == {k[len(prefix):]: v for k, v in out.items() if k.startswith(prefix)}
+    fleet.record_mismatch({"unknown": {"k1": 1.0, "num_tokens": 4.0}})  # ignored
+    assert "pool/unknown/mismatch_avg/k1" not in fleet.metrics() and "unknown" not in fleet.pool_figures()
 
 
 def test_modelled_cost_clock_charges_accelerator_time_not_cpu_time():

@@ -6,9 +6,11 @@ import time
 from types import SimpleNamespace
 
 from hetrl.config import load_config
+from hetrl.core.admission import QuarantineConfig, RolloutGate
 from hetrl.core.buffer import RolloutBuffer
 from hetrl.orchestrator.local import LocalOrchestrator
 from hetrl.orchestrator.schedule import Driver, make_schedule
+from hetrl.orchestrator.supervisor import ReplicaSupervisor
 from hetrl.samplers.base import SamplerHealth
 
 
@@ -45,8 +47,11 @@ def test_a_restart_running_at_shutdown_is_joined_and_starts_no_worker(tmp_path):
     orch.fleet, orch.buffer = _Fleet(cfg.fleet.pools[0]), RolloutBuffer(1)
     orch.schedule = make_schedule("async", orch.fleet, Driver(orch._top_up, orch._finish_group, orch._start_worker), 0)
     orch._lock, orch._stop, orch._threads, orch._errors = threading.RLock(), threading.Event(), [], []
-    orch._restarting, orch._restart_attempts = set(), {}
-    assert orch._restart_dead_replicas()  # a restart thread is building the sampler again
+    orch.supervisor = supervisor = ReplicaSupervisor(orch.fleet, RolloutGate(QuarantineConfig(), vocab_size=8, max_length=8, max_staleness=1),
+                                   cfg.fleet.restart, orch._rebuild_sampler,
+                                   start_thread=lambda target, r, name: orch._start_thread(target, r, name=name),
+                                   on_revived=orch.schedule.revived, on_error=orch._record_error)
+    assert supervisor.tend()  # a restart thread is building the sampler again
     restart = orch._threads[0]
     shutdown = threading.Thread(target=orch._shutdown)
     shutdown.start()
@@ -57,4 +62,4 @@ def test_a_restart_running_at_shutdown_is_joined_and_starts_no_worker(tmp_path):
     assert [t.name for t in orch._threads] == [restart.name]  # no worker started after the stop
     assert not any(t.name.startswith("worker-") for t in threading.enumerate())
     orch.fleet.replica.alive, orch.fleet.replica.died_at = False, time.monotonic() - 1
-    assert orch._restart_dead_replicas() and orch._threads == [restart]  # none started once stopped
+    assert supervisor.tend() and orch._threads == [restart]  # none started once stopped

@@ -7,7 +7,14 @@ sampled at and the newest published version when it returned. With abort, no gro
 the buffer may contain a call that newer weights overtook (such groups must be retracted and
 their prompts submitted again); under between_requests the slow pool's groups would be buffered
 anyway.
+
+A second run holds every call of the slow pool open for 30 s on a replica that can abort: each
+publication must abort the calls in flight (the Abortable capability, through the replica
+supervisor), their groups retracted and submitted again under new ids, nothing lost or duplicated.
 """
+
+import dataclasses
+import threading
 
 import pytest
 
@@ -89,3 +96,86 @@ def test_no_rollout_mixes_weight_versions(run):
     result, _ = run
     spans = [s for per_replica in result.rollout_spans.values() for s in per_replica]
     assert spans and all(lo == hi for lo, hi in spans)
+
+
+class HeldUntilAbort(Slow):
+    """A slow replica that can abort (the loop is under test here, not an engine): each call
+    samples its tokens, then holds them for up to ``hold_s`` seconds, as a slow accelerator
+    would still be decoding; an :meth:`abort` during the hold ends the call at once, every
+    generation cut to its first token with ``finish_reason="abort"`` (an engine's partial
+    answer). Records ``(group ids, aborted)`` per call; calls after an abort are not affected."""
+
+    supports_abort = True
+
+    def __init__(self, inner, hold_s):
+        super().__init__(inner, 0.0)
+        self.hold_s = hold_s
+        self.calls: list[tuple[set[str], bool]] = []
+        self._running: threading.Event | None = None
+        self._lock = threading.Lock()
+
+    def generate(self, requests):
+        out = self.inner.generate(requests)
+        aborted = threading.Event()
+        with self._lock:
+            self._running = aborted
+        aborted.wait(self.hold_s)
+        with self._lock:
+            self._running = None
+        self.calls.append(({r.request_id.split("/")[0] for r in requests}, aborted.is_set()))
+        if not aborted.is_set():
+            return out
+        return [dataclasses.replace(g, token_ids=g.token_ids[:1], logprobs=g.logprobs[:1],
+                                    policy_version=g.policy_version[:1], finish_reason="abort",
+                                    support=_first_span(g.support)) for g in out]
+
+    def abort(self):
+        with self._lock:
+            if self._running is not None:
+                self._running.set()
+
+
+def _first_span(support):
+    if support is None:
+        return None
+    end = int(support.offsets[1])
+    return dataclasses.replace(support, ids=support.ids[:end], offsets=support.offsets[:2],
+                               logprobs=support.logprobs[:end])
+
+
+@pytest.fixture(scope="module")
+def held_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("abort-held-run")
+    cfg = load_config("tiny_mixed.yaml", [
+        f"output_dir={out}",
+        "steps=3", *TINY_BATCH,
+        f"async.max_staleness={MAX_STALENESS}", "async.weight_update=abort",
+        "fleet.pools=[{name: fast, accelerator: h100, weight_precision: fp8_e4m3},"
+        " {name: slow, accelerator: a100, weight_precision: bf16}]",
+        "environment.options={eval: {every: 0}, coding: {max_turns: 2}}",
+    ])
+    held: list[HeldUntilAbort] = []
+
+    def wrap(pool, index, sampler):
+        if pool.name != "slow":
+            return sampler
+        held.append(HeldUntilAbort(sampler, 30.0))
+        return held[-1]
+
+    result = LocalOrchestrator(cfg, wrap_sampler=wrap, console=False).run()
+    return result, held
+
+
+def test_a_publication_aborts_the_calls_in_flight_and_their_groups_are_regenerated(held_run):
+    """Without the abort capability (or without the loop using it) the slow replica's calls
+    would hold their turns for 30 s each and none would be aborted."""
+    result, held = held_run
+    assert result.final["version"] == 3
+    aborted = {g for h in held for groups, cut in h.calls if cut for g in groups}
+    assert aborted, "no call was aborted by a publication"
+    assert not aborted & set(result.received)  # an aborted turn is never buffered ...
+    assert aborted <= set(result.retracted) | set(result.unfinished)  # ... its group retracted
+    audit = result.audit()
+    assert audit["lost"] == [] and audit["duplicated"] == [] and audit["unaccounted"] == 0
+    assert len(set(result.submitted)) == len(result.submitted)  # re-submitted under new ids
+    check_staleness(result, MAX_STALENESS)

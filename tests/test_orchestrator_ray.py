@@ -121,3 +121,45 @@ def test_a_bad_backend_fails_naming_the_key():
         load_config("tiny_mixed.yaml", ["backend=rai"])
     with pytest.raises(ConfigError, match=r"^--set ray\.num_cpus=0: Input should be greater than or equal to 1"):
         load_config("tiny_mixed.yaml", ["ray.num_cpus=0"])
+
+
+@pytest.mark.slow
+def test_ray_sampler_abort_reaches_the_running_call(tmp_path):
+    """The Ray proxy forwards the Abortable capability: ``abort`` is sent beside the actor's
+    running ``generate`` (its own concurrency group), which returns cut, ``finish_reason`` abort."""
+    import os
+    import shutil
+    import tempfile
+
+    import numpy as np
+
+    from hetrl.core.schema import SamplingParams
+    from hetrl.models.tiny import TINY_QWEN3, build_tiny_checkpoint
+    from hetrl.orchestrator.loop import build_embedded_sampler
+    from hetrl.orchestrator.ray_backend import HostActor, RaySampler, SharedWeights
+    from hetrl.samplers.base import GenerationRequest, abort, can_abort
+    from hetrl.samplers.profiles import sampler_numerics
+
+    assert not ray.is_initialized()
+    model = build_tiny_checkpoint(tmp_path / "model", TINY_QWEN3, seed=0, init_std=0.15)
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    temp = tempfile.mkdtemp(prefix="hetrl-ray-", dir="/tmp")
+    ray.init(num_cpus=1, _temp_dir=temp, include_dashboard=False)
+    try:
+        sampler = RaySampler(HostActor.remote(build_embedded_sampler, model, sampler_numerics("fp32"), pool="p", seed=0),
+                             SharedWeights())
+        assert can_abort(sampler)
+        n = 512
+        reqs = [GenerationRequest("a/0", np.array([5, 6, 7], np.int32), SamplingParams(top_k=20), n)]
+        assert sampler.generate(reqs)[0].finish_reason == "length"  # compiled now: the next call only decodes
+        out: list = []
+        call = threading.Thread(target=lambda: out.extend(sampler.generate(reqs)))
+        call.start()
+        while ray.get(sampler.actor.signal.remote("health")).in_flight == 0:  # read beside the running call
+            time.sleep(0.01)
+        abort(sampler)
+        call.join(60)
+        assert out[0].finish_reason == "abort" and 1 <= len(out[0].token_ids) < n
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)

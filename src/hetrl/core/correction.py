@@ -27,7 +27,7 @@ Pipeline of :func:`policy_loss`:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Mapping, Sequence
+from typing import Any, Literal, Mapping, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -61,6 +61,8 @@ __all__ = [
     "centering_coefficients",
     "policy_loss",
     "mismatch_metrics",
+    "pool_mismatch",
+    "pool_mismatch_key",
     "token_entropy",
 ]
 
@@ -454,8 +456,24 @@ def mismatch_metrics(
     if pool_index is not None:
         for g, name in enumerate(pool_names):
             part = _metric_set(stats, loss_mask, pool_index == g, policy_version, trainer_version, clamp)
-            metrics.update({f"pool/{name}/mismatch/{k}": v for k, v in part.items()})
+            metrics.update({pool_mismatch_key(name, k): v for k, v in part.items()})
     return metrics
+
+
+def pool_mismatch_key(pool: str, metric: str) -> str:
+    """The flat name under which :func:`mismatch_metrics` puts ``metric`` of ``pool`` (the one
+    owner of that name; readers of metric records look names up with it)."""
+    return f"pool/{pool}/mismatch/{metric}"
+
+
+def pool_mismatch(metrics: Mapping[str, Any], pool_names: Sequence[str]) -> dict[str, dict[str, float]]:
+    """The per-pool part of :func:`mismatch_metrics`'s output (e.g. a train step's metrics), as
+    ``{pool: {metric: value}}`` floats: for every overall ``mismatch/<metric>`` of ``metrics``,
+    each pool's value of it (the metrics looked up by name, nothing parsed). A pool absent from
+    ``metrics`` (computed without pools) maps to ``{}``."""
+    names = [k.split("/", 1)[1] for k in metrics if k.startswith("mismatch/")]
+    return {pool: {m: float(metrics[pool_mismatch_key(pool, m)]) for m in names if pool_mismatch_key(pool, m) in metrics}
+            for pool in pool_names}
 
 
 def _metric_set(

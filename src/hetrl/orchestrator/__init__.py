@@ -8,7 +8,8 @@ actors (the route to many machines); :func:`build_orchestrator` picks one from
 rollouts; :mod:`hetrl.orchestrator.monitors` writes metric records (JSON lines, TensorBoard
 events, optionally W&B) and :mod:`hetrl.orchestrator.report` the console, plots and summary. The loop's parts:
 :mod:`~hetrl.orchestrator.ledger` (every group's state), :mod:`~hetrl.orchestrator.tasks` (the
-train tasks in passes), :mod:`~hetrl.orchestrator.schedule` (async or lockstep generation) and
+train tasks in passes), :mod:`~hetrl.orchestrator.schedule` (async or lockstep generation),
+:mod:`~hetrl.orchestrator.supervisor` (replica health, restarts, quarantine and aborts) and
 :mod:`~hetrl.orchestrator.trainer_handle` (the trainer as the loop sees it).
 """
 

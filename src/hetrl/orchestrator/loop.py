@@ -16,27 +16,36 @@ Threads of the driver:
   worker per pool replica**: ``fleet.serve_once(replica)`` takes the first turn of
   groups routed to it; the worker then plays each group's episodes to the end on the same replica
   (:class:`hetrl.orchestrator.episodes.EpisodeRunner`), with rewards from the environment,
-  passes every rollout through the :class:`hetrl.core.admission.RolloutGate` (malformed or
-  poisoned ones are rejected and counted per pool and reason, never trained; a pool that returns
-  too many is quarantined by ``fleet.quarantine``: the fleet stops routing to it and its work,
-  queued, in flight or returned afterwards, is sampled again on the other pools) and puts the
-  group into the :class:`RolloutBuffer`;
+  passes every rollout through the replica supervisor's admission
+  (:meth:`hetrl.orchestrator.supervisor.ReplicaSupervisor.admit`: the
+  :class:`hetrl.core.admission.RolloutGate` rejects malformed or poisoned ones, counted per pool
+  and reason, never trained; a pool that returns too many is quarantined: the fleet stops routing
+  to it and its work, queued, in flight or returned afterwards, is sampled again on the other
+  pools) and puts the group into the :class:`RolloutBuffer`;
 * the **trainer loop** (the calling thread): ``buffer.take(batch_groups, trainer.version)``
   returns as soon as that many groups are ready, none older than ``max_staleness`` versions; the
   batch is collated and trained on with one ``train_step``; the new weights are published to the
   fleet with the new version, through the run's weight transports
   (:mod:`hetrl.orchestrator.transport`: staged once per version, loaded by each replica between
-  calls; embedded replicas in place).
+  calls; embedded replicas in place). While it waits for a batch it lets the supervisor tend the
+  fleet (``supervisor.tend``: dead replicas rebuilt per ``fleet.restart``, in restart threads).
+
+**Replicas** are looked after by one :class:`hetrl.orchestrator.supervisor.ReplicaSupervisor`:
+health probes (when due, not before every call), restarts, quarantine (the admission gate's
+record, re-applied to the fleet on resume) and aborts; the fleet only routes and serves.
 
 **Weight updates** (``async.weight_update``). ``between_requests``: replicas load new weights
 between generate calls; a call in flight, and the later turns of its groups, finish on the
-weights they started with. ``abort``: in addition, a group whose generation overlaps a newer
-publication is retracted at the next turn boundary (after its first turn, before each later
-turn, and when its last turn returns): nothing of it is buffered, and its prompt is submitted
-again as a new group, so it is regenerated on the new weights (counted as
-``rollout/retracted``). So no buffered group was overtaken by newer weights while any of its
-turns was generated. The turn running when the weights change still runs to its end (the
-embedded engine has no mid-turn cancel), so abort saves the later turns, not that one.
+weights they started with. ``abort``: in addition, each publication aborts the calls running on
+every replica whose sampler can abort (:class:`hetrl.samplers.base.Abortable`: the embedded
+engine, locally or in a Ray actor, stops within a quarter of its decode steps), and a group whose
+generation overlaps a newer publication is retracted at the next turn boundary (after its first
+turn, before each later turn, and when its last turn returns; a turn cut by an abort is always
+overtaken): nothing of it is buffered, and its prompt is submitted again as a new group, so it
+is regenerated on the new weights (counted as ``rollout/retracted``). So no buffered group was
+overtaken by newer weights while any of its turns was generated, and no aborted turn is ever
+trained on. On a replica that cannot abort (an SGLang pool) the turn running when the weights
+change still runs to its end, so abort saves only the later turns there.
 
 **Feeding and pacing.** Prompts cycle through the train functions of the synthetic coding suite,
 reshuffled every pass by ``seed``, each pass with fresh examples and hidden tests
@@ -123,9 +132,11 @@ from hetrl.orchestrator.evaluation import evaluate_tasks
 from hetrl.orchestrator.ledger import Closed, GroupLedger, GroupSpec
 from hetrl.orchestrator.monitors import build_monitors
 from hetrl.orchestrator.preflight import check_runnable
+from hetrl.orchestrator.recorder import StepRecorder
 from hetrl.orchestrator.report import RunConsole, write_plots
 from hetrl.orchestrator.run_folder import RunFolder, write_atomic
 from hetrl.orchestrator.schedule import Driver, Schedule, make_schedule
+from hetrl.orchestrator.supervisor import ReplicaSupervisor
 from hetrl.orchestrator.tasks import TaskSource
 from hetrl.orchestrator.trainer_handle import TrainerHandle, TrainerSetup
 from hetrl.orchestrator.transport import SharedDiskTransport, WeightPublisher, WeightTransport
@@ -417,13 +428,20 @@ class AsyncOrchestrator(abc.ABC):
         if self.config.async_.weight_update == "abort" and version < self.fleet.published_version:
             raise Retracted
 
+    def _retract_if_overtaken(self, generations: Sequence[Generation]) -> None:
+        """Under ``weight_update: abort``, raise :class:`Retracted` if newer weights overtook a
+        turn: published after its oldest token's version, or its call aborted by a publication."""
+        if self.config.async_.weight_update == "abort" and any(g.finish_reason == "abort" for g in generations):
+            raise Retracted
+        self._retract_if_stale(_oldest_version(generations))
+
     def _continue_fn(self, replica: Replica) -> Callable[[Sequence[GenerationRequest]], list[Generation]]:
         """Later turns of a group on ``replica``; under ``abort`` retracted before a turn would
         start on old weights and after a turn that newer weights overtook."""
         def generate(requests: Sequence[GenerationRequest]) -> list[Generation]:
             self._retract_if_stale(replica.weight_version or 0)
             out = replica.sampler.generate(requests)
-            self._retract_if_stale(_oldest_version(out))
+            self._retract_if_overtaken(out)
             return out
         return generate
 
@@ -437,7 +455,7 @@ class AsyncOrchestrator(abc.ABC):
             return
         sampling = self.config.async_.sampling
         try:
-            self._retract_if_stale(_oldest_version(result.generations))
+            self._retract_if_overtaken(result.generations)
             outcome = self.runner.run_group(spec.group_id, spec.task, spec.prompt, result.generations, sampling,
                                             self._continue_fn(replica))
         except Retracted:  # weights changed under it: regenerate the prompt on the new ones
@@ -449,11 +467,10 @@ class AsyncOrchestrator(abc.ABC):
             self._close_and_resubmit(spec, "failed")
             return
         pool = replica.pool.name
-        admission = self.gate.admit(pool, outcome.rollouts, outcome.rejected, published_version=self.fleet.published_version)
-        if admission.quarantined is not None:
-            self.fleet.quarantine(pool, admission.quarantined)
+        admission = self.supervisor.admit(pool, outcome.rollouts, outcome.rejected,
+                                          published_version=self.fleet.published_version)
         buffered = admission.admitted + admission.stale  # the buffer drops or regenerates the stale ones
-        quarantined = self.gate.is_quarantined(pool)
+        quarantined = self.supervisor.is_quarantined(pool)
         with self._lock:
             self._counts["rollouts_rejected"] += len(admission.rejected) + len(outcome.errors)
             self._counts["rollouts_valid"] += len(buffered)
@@ -480,41 +497,13 @@ class AsyncOrchestrator(abc.ABC):
             else:
                 self.ledger.close(spec.group_id, "refused")
 
-    def _restart_dead_replicas(self) -> bool:
-        """Start rebuilding each dead replica whose :class:`RestartPolicy` allows it (its pool not
-        quarantined, restarts left, ``delay_s`` passed since it died), each in its own thread.
-        Returns whether any dead replica is being rebuilt or may still be."""
-        policy = self.config.fleet.restart
-        now, pending = time.monotonic(), False
-        for r in self.fleet.replicas:
-            if r.alive or r.pool.name in self.fleet.quarantined or r.died_at is None:
-                continue
-            if self._restart_attempts.get(r.key, 0) >= policy.max_per_replica:
-                continue
-            pending = True
-            if r.key in self._restarting or now - r.died_at < policy.delay_s:
-                continue
-            self._restarting.add(r.key)
-            self._restart_attempts[r.key] = self._restart_attempts.get(r.key, 0) + 1
-            self._start_thread(self._restart_replica, r, name=f"restart-{r.key}")
-        return pending
+    def _rebuild_sampler(self, replica: Replica) -> Sampler:
+        """A new sampler for the dead ``replica`` (the supervisor's restarts)."""
+        return self._make_sampler(replica.pool, self.fleet.numerics[replica.pool.name], replica.index)
 
-    def _restart_replica(self, replica: Replica) -> None:
-        """Build ``replica``'s sampler again; once it answers healthy, put it back and serve it."""
-        try:
-            sampler = self._make_sampler(replica.pool, self.fleet.numerics[replica.pool.name], replica.index)
-            health = sampler.health()
-            if not health.healthy:
-                raise RuntimeError(f"unhealthy after restart: {health.detail}")
-            if self.fleet.revive(replica, sampler):
-                self.schedule.revived(replica)
-        except Exception as err:  # try again after the delay, while attempts remain
-            log.warning("restarting replica %s failed: %s", replica.key, err)
-            replica.died_at = time.monotonic()
-            with self._lock:
-                self._errors.append(f"restart of {replica.key} failed: {err}")
-        finally:
-            self._restarting.discard(replica.key)
+    def _record_error(self, message: str) -> None:
+        with self._lock:
+            self._errors.append(message)
 
     def _start_worker(self, replica: Replica) -> None:
         self._start_thread(self._worker, replica, name=f"worker-{replica.key}")
@@ -530,11 +519,14 @@ class AsyncOrchestrator(abc.ABC):
 
     def _shutdown(self) -> None:
         """Stop the driver's threads and join every one: the stop flag is set under the lock that
-        :meth:`_start_thread` holds, so no thread joins the list after it and none is missed."""
+        :meth:`_start_thread` holds, so no thread joins the list after it and none is missed.
+        The calls running on replicas that can abort are aborted (their groups stay unfinished
+        either way), so their workers leave at once."""
         with self._lock:
             self._stop.set()
         self.fleet.close()
         self.buffer.close()
+        self.supervisor.abort_in_flight()
         deadline = time.monotonic() + WORKER_JOIN_S  # a worker may be inside a generate call (or its compilation)
         for t in self._threads:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -593,31 +585,34 @@ class AsyncOrchestrator(abc.ABC):
         self._counts = {k: 0 for k in ("rollouts_valid", "rollouts_rejected", "groups_rejected", "groups_rerouted",
                                        "continuation_failures", "groups_trained")}
         self._carried_over: list[Task] = []  # tasks in flight at the checkpoint a resumed run starts from
+        self._errors: list[str] = []
+        self.supervisor = ReplicaSupervisor(
+            self.fleet, self.gate, cfg.fleet.restart, self._rebuild_sampler,
+            start_thread=lambda target, replica, name: self._start_thread(target, replica, name=name),
+            on_revived=self.schedule.revived, on_error=self._record_error)
         if self._resume_state is not None:
             self._restore_loop_state(self._resume_state)
-        self._errors: list[str] = []
         self._rollout_versions: dict[str, list[int]] = {}
         self._rollout_spans: dict[str, list[tuple[int, int]]] = {}
         self._rewards: list[float] = []
         eval_every = self.options.eval.every
-        history: list[dict[str, Any]] = list(self._resumed_history)
         writer = build_monitors(cfg, self.metrics_path, self.tensorboard_dir)
+        recorder = StepRecorder(
+            self.fleet, self.buffer, monitors=writer, display=self.display, total_steps=cfg.steps,
+            log_every=cfg.logging.every, history=self._resumed_history, t_start=t_start,
+            sources=[self.gate.metrics] + ([self.chaos_ledger.metrics] if cfg.fleet.chaos is not None else []))
         if eval_every and self.trainer.version == 0:  # the starting policy's score, to compare the run's with
             scores = self._evaluate(self.trainer.export_hf_weights())  # {} when stopped during it
             if scores:
-                history.append({"step": 0, **scores})
-                writer.log(history[-1])
+                recorder.log({"step": 0, **scores})
         self._threads: list[threading.Thread] = []  # every thread started, joined by _shutdown
-        self._restarting: set[str] = set()
-        self._restart_attempts: dict[str, int] = {}
         self._top_up()
         self.schedule.start()
         a = cfg.async_
-        max_stale_seen = -1
-        last_time, last_gen_tokens = time.monotonic(), 0.0
+        recorder.start()
         try:
             self.display.start_training(self.trainer.version)
-            with self.display as display:
+            with self.display:
                 while self.trainer.version < cfg.steps and not self._stop_requested.is_set():
                     wait_start = time.monotonic()
                     groups: list[RolloutGroup] = []
@@ -626,10 +621,7 @@ class AsyncOrchestrator(abc.ABC):
                         groups = self.buffer.take(a.batch_groups, self.trainer.version,
                                                   timeout=self.schedule.take_timeout_s)
                         self._top_up()
-                        restartable = self._restart_dead_replicas()
-                        if not groups and not restartable and not any(r.alive for r in self.fleet.replicas):
-                            raise RuntimeError("every sampler replica is dead or quarantined; the run cannot "
-                                               f"continue (quarantined: {self.gate.quarantined() or 'none'})")
+                        self.supervisor.tend(need_replicas=not groups)
                     if not groups:  # stopped while waiting for a batch
                         break
                     wait_s = time.monotonic() - wait_start
@@ -642,45 +634,23 @@ class AsyncOrchestrator(abc.ABC):
                     metrics = self.trainer.train_step(batch, old)
                     step_s = time.monotonic() - step_start
                     weights = self.publisher.publish(self.trainer.version, self.trainer.export_hf_weights())
+                    if a.weight_update == "abort":
+                        self.supervisor.abort_in_flight()
                     with self._lock:
                         self.ledger.train(((g.group_id, g.pool, g.min_version) for g in groups), version)
                     self._top_up()  # the trained batch no longer counts: sample the next at once
-                    self.fleet.record_mismatch(metrics)
                     for g in groups:
                         self.fleet.record_trained(g.pool, int(sum(r.loss_mask.sum() for r in g.rollouts)))
                     self._counts["groups_trained"] += len(groups)
-                    stale = [version - g.min_version for g in groups]
-                    max_stale_seen = max(max_stale_seen, *stale)
-                    now = time.monotonic()
-                    fm = self.fleet.metrics()
-                    gen_tokens = fm["fleet/tokens"]
-                    record: dict[str, Any] = {
-                        "step": self.trainer.version, "time/wall_s": now - t_start, "time/step_s": step_s,
-                        "time/wait_s": wait_s, **metrics,
-                        "reward/mean": float(np.mean([r.reward for r in rollouts])),
-                        "reward/std": float(np.std([r.reward for r in rollouts])),
-                        "rollout/response_tokens": float(np.mean([r.response_ids.shape[0] for r in rollouts])),
-                        "rollout/turns": float(np.mean([r.timings.get("turns", 1.0) for r in rollouts])),
-                        "staleness/mean": float(np.mean(stale)), "staleness/max": float(max(stale)),
-                        "throughput/gen_tokens_per_s": (gen_tokens - last_gen_tokens) / max(now - last_time, 1e-9),
-                        "throughput/trained_tokens_per_s": float(batch.loss_mask.sum()) / max(now - last_time, 1e-9),
-                        **{f"batch/pool/{p}/groups": float(sum(g.pool == p for g in groups)) for p in self.pool_names},
-                        **{k: v for k, v in fm.items()}, **self.buffer.metrics(), **self.gate.metrics(),
-                        **(self.chaos_ledger.metrics() if cfg.fleet.chaos is not None else {}),
-                        **{f"rollout/{k}": float(v) for k, v in self._counts.items()},
-                        "rollout/retracted": float(len(self.ledger.closed["retracted"])),
-                    }
-                    last_time, last_gen_tokens = now, gen_tokens
-                    record["rollout/solved"] = float(np.mean([r.timings.get("solved", 0.0) for r in rollouts]))
-                    record["rollout/tampered"] = float(np.mean([r.timings.get("tampered", 0.0) for r in rollouts]))
+                    record = recorder.record(
+                        self.trainer.version, trained_at=version, groups=groups, batch=batch, metrics=metrics,
+                        wait_s=wait_s, step_s=step_s,
+                        counts={**self._counts, "retracted": len(self.ledger.closed["retracted"])})
                     if eval_every and (self.trainer.version % eval_every == 0 or self.trainer.version == cfg.steps):
-                        record.update(self._evaluate(weights))
+                        record.scalars.update(self._evaluate(weights))
                     if self.trainer.save(force=False):
                         self._snapshot_state(weights)
-                    history.append(record)
-                    if self.trainer.version % cfg.logging.every == 0 or self.trainer.version == cfg.steps:
-                        writer.log(record)
-                    display.step(record, self._pool_rows(fm))
+                    recorder.commit(record)
         finally:
             self._shutdown()
             writer.close()
@@ -691,19 +661,21 @@ class AsyncOrchestrator(abc.ABC):
         self.trainer.close()
         self._prune_snapshots(steps)
         self.folder.prune_hf(steps)
+        history = recorder.history
         plots = write_plots(history, self.pool_names, self.folder.plots)
         fm = self.fleet.metrics()
         bm = self.buffer.metrics()
         final = {
             "backend": self.backend,
             "wall_s": time.monotonic() - t_start, "version": self.trainer.version,
-            "max_staleness": max([max_stale_seen] + [int(r["staleness/max"]) for r in history if "staleness/max" in r]),
+            "max_staleness": max([recorder.max_staleness_seen]
+                                 + [int(r["staleness/max"]) for r in history if "staleness/max" in r]),
             "groups_trained": self._counts["groups_trained"], "groups_dropped": int(bm["buffer/dropped"]),
             "groups_retracted": len(self.ledger.closed["retracted"]),
             "rollouts_rejected": self._counts["rollouts_rejected"], "requeues": int(fm["fleet/requeues"]),
             "output_dir": str(self.output_dir), "errors_sample": self._errors[-5:],
             "continuation_failures": self._counts["continuation_failures"],
-            "quarantined": self.gate.quarantined(), "replica_restarts": int(fm["fleet/restarts"]),
+            "quarantined": self.supervisor.quarantined(), "replica_restarts": int(fm["fleet/restarts"]),
             "groups_pending": len(self.buffer), "groups_in_flight": len(self.ledger.in_flight()),
             "steps": cfg.steps, "stopped": self.trainer.version < cfg.steps,
             **({k.replace("chaos/", "chaos_"): int(v) for k, v in self.chaos_ledger.metrics().items()}
@@ -731,7 +703,7 @@ class AsyncOrchestrator(abc.ABC):
             loop = {
                 "version": v, "next_gid": self._next_gid, **self.tasks.state(),
                 "in_flight_tasks": [g.task.task_id for g in self.ledger.in_flight()], "counts": dict(self._counts),
-                "fleet": self.fleet.counters_state(), "admission": self.gate.state(), "chaos": self.chaos_ledger.state(),
+                "fleet": self.fleet.counters_state(), "admission": self.supervisor.state(), "chaos": self.chaos_ledger.state(),
             }
         write_atomic(self.checkpoint_dir / f"buffer-{v}.json", json.dumps(buffer))
         write_atomic(self.checkpoint_dir / f"loop-{v}.json", json.dumps(loop))
@@ -747,33 +719,13 @@ class AsyncOrchestrator(abc.ABC):
         self._carried_over = [self.tasks.resolve(t) for t in state["in_flight_tasks"]]
         self.chaos_ledger.restore(state.get("chaos", {}))
         self.fleet.restore_counters(state["fleet"])
-        self.gate.restore_state(state["admission"])
-        for pool, reason in self.gate.quarantined().items():
-            self.fleet.quarantine(pool, reason)
+        self.supervisor.restore(state["admission"])
 
     def _prune_snapshots(self, keep_steps: list[int]) -> None:
         for pattern in ("buffer-*.json", "loop-*.json"):
             for path in self.checkpoint_dir.glob(pattern):
                 if int(path.stem.split("-")[1]) not in keep_steps:
                     path.unlink()
-
-    def _pool_rows(self, fm: dict[str, float]) -> list[dict[str, Any]]:
-        counters = self.buffer.counters()
-        rows = []
-        for name, pool in self.fleet.pools.items():
-            n = self.fleet.numerics[name]
-            reps = [r for r in self.fleet.replicas if r.pool.name == name]
-            c = counters.get(name)
-            rows.append({
-                "pool": name, "numerics": f"{pool.accelerator} {n.weight_format}/{n.kv_format}",
-                "alive": "quarantined" if name in self.fleet.quarantined else f"{sum(r.alive for r in reps)}/{len(reps)}",
-                "weight_version": ",".join("-" if r.weight_version is None else str(r.weight_version) for r in reps),
-                "requests": int(fm[f"pool/{name}/requests"]), "tokens": int(fm[f"pool/{name}/tokens"]),
-                "trained": c.groups_out if c else 0, "dropped": c.dropped if c else 0,
-                "max_staleness": c.max_staleness_out if c else -1,
-                "k3": fm.get(f"pool/{name}/mismatch_avg/k3"), "cost_usd": fm[f"pool/{name}/cost/usd"],
-            })
-        return rows
 
 
 def _truncate_metrics(path: pathlib.Path, step: int) -> list[dict[str, Any]]:

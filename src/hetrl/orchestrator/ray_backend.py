@@ -5,8 +5,10 @@ The loop is :class:`hetrl.orchestrator.loop.AsyncOrchestrator`, unchanged: the d
 fleet (routing, re-queueing, cost), the buffer, the episodes (environments and sandbox) and the
 logs, and reaches the actors through two proxies with the interfaces the loop already uses:
 
-* :class:`RaySampler` (the :class:`hetrl.samplers.base.Sampler` protocol) over an actor hosting
-  :func:`build_embedded_sampler` (one per replica, and one for the held-out evaluation);
+* :class:`RaySampler` (the :class:`hetrl.samplers.base.Sampler` protocol, with the hosted
+  sampler's optional capabilities: reseed, and abort, which reaches the running call) over an
+  actor hosting :func:`build_embedded_sampler` (one per replica, and one for the held-out
+  evaluation);
 * :class:`RayTrainer` (:class:`TrainerHandle`) over an actor hosting :func:`build_trainer`.
 
 So the semantics are those of the local backend by construction: one generate call at a time
@@ -51,16 +53,22 @@ from hetrl.stopping import reclaim_signals
 __all__ = ["RayOrchestrator", "RaySampler", "RayTrainer", "HostActor"]
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, concurrency_groups={"signal": 1})
 class HostActor:
     """Hosts the object ``build(*args, **kwargs)`` in this actor's process: :meth:`call` runs one
-    of its methods, :meth:`attribute` reads one attribute. Calls run one at a time, in order."""
+    of its methods, :meth:`attribute` reads one attribute. Calls run one at a time, in order;
+    :meth:`signal` runs beside them (its own concurrency group), for methods meant to reach a
+    call that is running (a sampler's ``abort``)."""
 
     def __init__(self, build: Callable[..., Any], *args: Any, **kwargs: Any):
         self._obj = build(*args, **kwargs)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self._obj, method)(*args, **kwargs)
+
+    @ray.method(concurrency_group="signal")
+    def signal(self, method: str) -> Any:
+        return getattr(self._obj, method)()
 
     def attribute(self, name: str) -> Any:
         return getattr(self._obj, name)
@@ -74,6 +82,7 @@ class RaySampler:
         self.actor = actor
         self._info: SamplerInfo | None = None
         self._supports_reseed: bool | None = None
+        self._supports_abort: bool | None = None
 
     @property
     def info(self) -> SamplerInfo:
@@ -101,6 +110,17 @@ class RaySampler:
 
     def reseed(self, seed: int) -> None:
         ray.get(self.actor.call.remote("reseed", seed))
+
+    @property
+    def supports_abort(self) -> bool:
+        """Whether the hosted sampler can abort (asked once)."""
+        if self._supports_abort is None:
+            self._supports_abort = ray.get(self.actor.attribute.remote("supports_abort"))
+        return self._supports_abort
+
+    def abort(self) -> None:
+        """Abort the hosted sampler's running ``generate`` call (sent beside it: :meth:`HostActor.signal`)."""
+        ray.get(self.actor.signal.remote("abort"))
 
 
 class RayTrainer:

@@ -16,6 +16,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from hetrl.core.correction import pool_mismatch_key
 from hetrl.formatting import fmt, fmt_duration
 
 __all__ = ["fmt", "fmt_duration", "RunConsole", "write_plots", "summary_lines"]
@@ -192,24 +193,24 @@ def write_plots(history: Sequence[Mapping[str, Any]], pool_names: Sequence[str],
     directory.mkdir(parents=True, exist_ok=True)
     steps = [r["step"] for r in history]
 
-    def series(key: str) -> tuple[list[int], list[float]]:
-        # a mismatch metric of a step whose batch held no token of that pool is an empty mean, not a 0
-        count = key.rsplit("/", 1)[0] + "/num_tokens" if "/mismatch/" in f"/{key}" else None
+    def series(key: str, count: str | None = None) -> tuple[list[int], list[float]]:
+        # a mismatch metric of a step whose batch held no token (``count``) of that pool is an empty mean, not a 0
         pts = [(r["step"], r[key]) for r in history
                if isinstance(r.get(key), (int, float)) and math.isfinite(r[key]) and (count is None or r.get(count, 1) > 0)]
         return [p[0] for p in pts], [p[1] for p in pts]
 
     out = []
     specs = [
-        ("reward.png", "reward", [("reward/mean", "mean reward"), ("rollout/solved", "solved fraction")]),
-        ("heldout.png", "held-out", [("eval/success", "success rate"), ("eval/reward", "mean reward")]),
+        ("reward.png", "reward", [("reward/mean", None, "mean reward"), ("rollout/solved", None, "solved fraction")]),
+        ("heldout.png", "held-out", [("eval/success", None, "success rate"), ("eval/reward", None, "mean reward")]),
         ("mismatch.png", "KL k3 (sampler vs trainer)",
-         [("mismatch/k3", "all")] + [(f"pool/{p}/mismatch/k3", p) for p in pool_names]),
+         [("mismatch/k3", "mismatch/num_tokens", "all")]
+         + [(pool_mismatch_key(p, "k3"), pool_mismatch_key(p, "num_tokens"), p) for p in pool_names]),
     ]
     for filename, title, lines in specs:
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        for key, label in lines:
-            xs, ys = series(key)
+        for key, count, label in lines:
+            xs, ys = series(key, count)
             if xs:
                 ax.plot(xs, ys, marker="." if len(xs) < 30 else None, label=label)
         ax.set_title(title)

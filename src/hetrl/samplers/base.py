@@ -9,11 +9,13 @@ which appends environment tokens between turns. Weights arrive in HF naming
 
 Optional capabilities are named, never probed with ``getattr``: a sampler that can restart its
 random stream has the :class:`Reseedable` capability (``supports_reseed`` true, ``reseed``
-works); a wrapper forwards it from the sampler it wraps, and one that cannot reseed says so
-(``supports_reseed`` false; ``reseed`` raises :class:`CapabilityMissing`). Test with
-:func:`can_reseed`. Cancelling a call mid-generation ("abort") is not a sampler capability: no
-engine here has one, so ``weight_update: abort`` retracts groups at turn boundaries instead
-(:mod:`hetrl.orchestrator.loop`).
+works); one that can cancel the calls it is running has the :class:`Abortable` capability
+(``supports_abort`` true, ``abort`` works). A wrapper forwards each from the sampler it wraps,
+and one that lacks it says so (``supports_*`` false; the method raises
+:class:`CapabilityMissing`). Test with :func:`can_reseed` / :func:`can_abort`; call through
+:func:`reseed` / :func:`abort`, which raise :class:`CapabilityMissing` naming the sampler.
+``weight_update: abort`` aborts the calls in flight on every replica that can abort when new
+weights are published (:mod:`hetrl.orchestrator.loop`).
 """
 
 from __future__ import annotations
@@ -126,3 +128,34 @@ def reseed(sampler: Sampler, seed: int) -> None:
         raise CapabilityMissing(f"the {type(sampler).__name__} sampler of pool {sampler.info.pool!r} "
                                 f"({sampler.info.engine}) cannot reseed its random stream")
     sampler.reseed(seed)  # type: ignore[attr-defined]
+
+
+@runtime_checkable
+class Abortable(Protocol):
+    """The optional capability of cancelling generation: ``abort()`` makes every ``generate``
+    call running when it is called return as soon as it can (the embedded engine: at its next
+    abort check, a few decode steps later), each request not yet finished returned with
+    ``finish_reason="abort"`` and the tokens it sampled so far (at least one; all with their log-probs, support and version, as for
+    a finished request). Requests already finished keep their reason; calls that start after
+    ``abort()`` are not affected, and with no call running it does nothing. Thread-safe: it is
+    called from another thread than the one inside ``generate``. ``supports_abort`` says whether
+    ``abort`` works (a wrapper around a sampler without it: false, and ``abort`` raises
+    :class:`CapabilityMissing`)."""
+
+    @property
+    def supports_abort(self) -> bool: ...
+
+    def abort(self) -> None: ...
+
+
+def can_abort(sampler: object) -> bool:
+    """Whether ``sampler`` has the :class:`Abortable` capability."""
+    return isinstance(sampler, Abortable) and bool(sampler.supports_abort)
+
+
+def abort(sampler: Sampler) -> None:
+    """``sampler.abort()``, or :class:`CapabilityMissing` naming the sampler when it cannot."""
+    if not can_abort(sampler):
+        raise CapabilityMissing(f"the {type(sampler).__name__} sampler of pool {sampler.info.pool!r} "
+                                f"({sampler.info.engine}) cannot abort its calls")
+    sampler.abort()  # type: ignore[attr-defined]

@@ -32,7 +32,10 @@ requests; each chunk runs as ONE jitted function:
    ``n`` (:func:`hetrl.samplers.sampling.sample`, its Gumbel noise drawn for every step before
    the loop); they exit early once every row is done. A row is done after a stop token
    (``finish_reason="stop"``; the stop token is part of the response) or after its own
-   ``max_new_tokens`` (``"length"``). Attention reads every slot of the cache,
+   ``max_new_tokens`` (``"length"``). Every ``N // ABORT_CHECKS`` steps the loop asks the host
+   whether the call was aborted (:meth:`EmbeddedSampler.abort`, an ``io_callback``); if so it exits,
+   and the rows not yet done end with ``finish_reason="abort"`` and the tokens sampled so far
+   (the :class:`hetrl.samplers.base.Abortable` capability). Attention reads every slot of the cache,
    so the cache holds ``P + N // 2`` slots for steps ``n <= N // 2`` and is grown (one copy) to
    ``P + N`` for the rest (:func:`_decode_segments`): one loop per cache size.
 
@@ -48,6 +51,7 @@ and row b's draw at step n depends only on (call key, chunk, b, n).
 from __future__ import annotations
 
 import functools
+import itertools
 import re
 import threading
 import time
@@ -58,6 +62,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import io_callback
 
 from hetrl.core.precision import quantize_dequantize
 from hetrl.core.schema import SamplerInfo, SamplingSupport
@@ -77,6 +82,11 @@ QUANTIZED_WEIGHT = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.w
 
 DEFAULT_LENGTH_BUCKETS: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 DEFAULT_BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+
+ABORT_CHECKS = 4
+"""How often a call of ``N`` new tokens checks its abort flag: every ``max(1, N // ABORT_CHECKS)``
+decode steps. Each check is a host round trip (``io_callback``), costly next to a small model's
+decode step, so a call checks a few times rather than at every step."""
 
 _DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 
@@ -179,6 +189,40 @@ def _record(out: dict, r, step) -> dict:
     return {name: buf.at[:, step].set(getattr(r, _RECORDED[name])) for name, buf in out.items()}
 
 
+class _Aborts:
+    """The calls of every embedded sampler in this process, by call id, and whether each was
+    aborted: the decode loop asks :meth:`aborted` at its checks (from an ``io_callback``,
+    so the compiled function, shared by all samplers, takes only the call id)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._calls: dict[int, bool] = {}
+
+    def open(self) -> int:
+        with self._lock:
+            call = next(self._ids) % (2**31)
+            self._calls[call] = False
+            return call
+
+    def close(self, call: int) -> None:
+        with self._lock:
+            self._calls.pop(call, None)
+
+    def abort(self, calls) -> None:
+        with self._lock:
+            for call in calls:
+                if call in self._calls:
+                    self._calls[call] = True
+
+    def aborted(self, call) -> np.ndarray:
+        with self._lock:
+            return np.bool_(self._calls.get(int(call), False))
+
+
+_ABORTS = _Aborts()
+
+
 class _DecodeState(NamedTuple):
     """The decode loop's carry: the next step ``n``, the token fed at it [B], which rows are done
     [B], their lengths so far [B], the KV cache and the output buffers (see :data:`_RECORDED`)."""
@@ -203,14 +247,17 @@ def _decode_segments(n_steps: int) -> tuple[int, ...]:
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "treedef", "n_steps", "width", "head_size"))
-def _generate_chunk(leaves, prompt_ids, prompt_lens, temperature, top_k, top_p, max_new, stop_ids, key, *,
+def _generate_chunk(leaves, prompt_ids, prompt_lens, temperature, top_k, top_p, max_new, stop_ids, key, call, *,
                     graphdef, treedef, n_steps, width, head_size):
     """Prefill + KV-cached decode of one padded chunk (see the module docstring).
 
     leaves: the model's parameter arrays; prompt_ids [B, P] int32 left-padded; prompt_lens,
     max_new [B] int32 (1 <= max_new <= n_steps); temperature, top_p [B] f32; top_k [B] int32;
-    stop_ids [B, NS] int32 padded with -1; key: PRNG key. Returns a dict of tokens, logprobs,
-    count [B, N], support_ids, support_logprobs [B, N, W], cap_bound [B, N] and lengths [B].
+    stop_ids [B, NS] int32 padded with -1; key: PRNG key; call: int32 id of the call (the loop
+    stops at its next check, every ``N // ABORT_CHECKS`` steps, once :data:`_ABORTS` says the call
+    was aborted). Returns a dict of tokens,
+    logprobs, count [B, N], support_ids, support_logprobs [B, N, W], cap_bound [B, N], lengths [B]
+    and done [B] (False: the row was cut by an abort).
     """
     model: QwenModel = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
     B, P = prompt_ids.shape
@@ -244,7 +291,10 @@ def _generate_chunk(leaves, prompt_ids, prompt_lens, temperature, top_k, top_p, 
         mask = key_mask[:, : state.cache.max_len]
 
         def cond(s: _DecodeState):
-            return (s.step <= last_step) & (s.step < n_steps) & ~jnp.all(s.done)
+            aborted = jax.lax.cond(s.step % max(1, n_steps // ABORT_CHECKS) == 0,
+                                   lambda: io_callback(_ABORTS.aborted, jax.ShapeDtypeStruct((), jnp.bool_), call),
+                                   lambda: jnp.bool_(False))
+            return (s.step <= last_step) & (s.step < n_steps) & ~jnp.all(s.done) & ~aborted
 
         def body(s: _DecodeState):
             pos = (prompt_lens + s.step - 1)[:, None]
@@ -260,7 +310,7 @@ def _generate_chunk(leaves, prompt_ids, prompt_lens, temperature, top_k, top_p, 
         if j:
             state = state._replace(cache=grow_cache(state.cache, P + last_step))
         state = decode(state, last_step)
-    return dict(state.out, lengths=state.lengths)
+    return dict(state.out, lengths=state.lengths, done=state.done)
 
 
 class EmbeddedSampler:
@@ -304,6 +354,7 @@ class EmbeddedSampler:
         self._lock = threading.Lock()
         self._key = jax.random.key(seed)
         self._in_flight = 0
+        self._calls: set[int] = set()  # ids (in _ABORTS) of the generate calls running now
         self._tokens = 0
         self._cap_bound = 0
         # the model's structure, built once (abstractly); weights only ever replace its arrays
@@ -348,6 +399,16 @@ class EmbeddedSampler:
         with self._lock:
             self._key = jax.random.key(seed)
 
+    supports_abort = True
+    """It has the :class:`hetrl.samplers.base.Abortable` capability."""
+
+    def abort(self) -> None:
+        """Cut every ``generate`` call running now at its next abort check (every ``N //
+        ABORT_CHECKS`` decode steps): its unfinished requests return with
+        ``finish_reason="abort"`` and their tokens so far; later calls are not affected."""
+        with self._lock:
+            _ABORTS.abort(self._calls)
+
     def health(self) -> SamplerHealth:
         with self._lock:
             detail = (f"{self._tokens} tokens generated; {self._cap_bound} top-p sets cut to the "
@@ -362,15 +423,19 @@ class EmbeddedSampler:
             self._key, call_key = jax.random.split(self._key)
             leaves, version = self._leaves, self._version
             self._in_flight += len(requests)
+            call = _ABORTS.open()
+            self._calls.add(call)
         try:
             out: list[Generation] = []
             for i in range(0, len(requests), self.max_batch):
                 chunk = requests[i : i + self.max_batch]
-                out += self._run_chunk(chunk, leaves, version, jax.random.fold_in(call_key, i // self.max_batch))
+                out += self._run_chunk(chunk, leaves, version, jax.random.fold_in(call_key, i // self.max_batch), call)
             return out
         finally:
             with self._lock:
                 self._in_flight -= len(requests)
+                self._calls.discard(call)
+                _ABORTS.close(call)
 
     # ------------------------------------------------------------------ internals
     def _check(self, r: GenerationRequest) -> None:
@@ -380,7 +445,7 @@ class EmbeddedSampler:
         except ValueError as err:
             raise ValueError(f"request {r.request_id!r}: {err}") from None
 
-    def _run_chunk(self, chunk: Sequence[GenerationRequest], leaves, version: int, key) -> list[Generation]:
+    def _run_chunk(self, chunk: Sequence[GenerationRequest], leaves, version: int, key, call: int) -> list[Generation]:
         n = len(chunk)
         B = _bucket(n, self.batch_buckets)
         P = _bucket(max(len(r.prompt_ids) for r in chunk), self.length_buckets)
@@ -403,7 +468,7 @@ class EmbeddedSampler:
             stop_ids[b, : len(r.stop_token_ids)] = r.stop_token_ids
         start = time.perf_counter()
         res = _generate_chunk(leaves, prompt_ids, prompt_lens, temperature, top_k, top_p, max_new, stop_ids, key,
-                              graphdef=self._graphdef, treedef=self._treedef, n_steps=N, width=self.width,
+                              np.int32(call), graphdef=self._graphdef, treedef=self._treedef, n_steps=N, width=self.width,
                               head_size=self.head_size)
         res = jax.tree.map(np.asarray, jax.device_get(res))
         elapsed = time.perf_counter() - start
@@ -421,7 +486,8 @@ class EmbeddedSampler:
                 support = SamplingSupport(ids=res["support_ids"][b, :T][keep], offsets=offsets,
                                           logprobs=res["support_logprobs"][b, :T][keep],
                                           kind="kept" if r.sampling.truncated else "head")
-            finish = "stop" if int(tokens[-1]) in r.stop_token_ids else "length"
+            finish = ("abort" if not res["done"][b] else "stop" if int(tokens[-1]) in r.stop_token_ids
+                      else "length")
             gens.append(Generation(request_id=r.request_id, token_ids=tokens, logprobs=res["logprobs"][b, :T],
                                    policy_version=np.full(T, version, np.int64), finish_reason=finish,
                                    support=support, sampler=self._info, timings={"generate_s": elapsed}))

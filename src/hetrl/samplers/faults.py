@@ -14,9 +14,11 @@ sampler and misbehave on purpose:
   reproducible given its call order; what was injected is counted in a shared
   :class:`ChaosLedger` (the run's ``chaos/*`` metrics).
 
-Every wrapper forwards the optional :class:`hetrl.samplers.base.Reseedable` capability of the
-sampler it wraps (and has it only when that one does); :class:`ChaosSampler` also restarts its
-own fault draws from the seed, so a reseeded drill repeats its faults too.
+Every wrapper forwards the optional capabilities of the sampler it wraps,
+:class:`hetrl.samplers.base.Reseedable` and :class:`hetrl.samplers.base.Abortable` (and has
+each only when that one does); :class:`ChaosSampler` also restarts its own fault draws from the
+seed, so a reseeded drill repeats its faults too. An abort reaches the inner sampler's running
+call; a wrapper's own delay (:class:`Slow`'s sleep, a chaos stall) is not cut short.
 
 Every poison is one the rollout gate must reject (:mod:`hetrl.core.admission`), and every other
 fault one the fleet must absorb (re-queue, restart, route around): nothing here changes what a
@@ -35,7 +37,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from hetrl.core.schema import SamplerInfo
-from hetrl.samplers.base import Generation, GenerationRequest, Sampler, SamplerHealth, can_reseed, reseed
+from hetrl.samplers.base import Generation, GenerationRequest, Sampler, SamplerHealth, abort, can_abort, can_reseed, reseed
 
 __all__ = ["POISONS", "Slow", "Dies", "Poisoned", "ChaosConfig", "ChaosLedger", "ChaosSampler", "InjectedFault"]
 
@@ -96,6 +98,14 @@ class Slow:
     def reseed(self, seed: int) -> None:
         """Reseed the inner sampler (:class:`hetrl.samplers.base.CapabilityMissing` if it cannot)."""
         reseed(self.inner, seed)
+
+    @property
+    def supports_abort(self) -> bool:
+        return can_abort(self.inner)
+
+    def abort(self) -> None:
+        """Abort the inner sampler's running calls (:class:`hetrl.samplers.base.CapabilityMissing` if it cannot)."""
+        abort(self.inner)
 
 
 class Dies(Slow):

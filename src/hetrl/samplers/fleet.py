@@ -23,19 +23,21 @@ has a free slot.
 **Serving.** Each replica's worker (a thread of the orchestrator, or :meth:`Fleet.generate`)
 calls :meth:`Fleet.serve_once`: load the newest published weights if the replica's are older
 (weights change only between calls, so weight versions are monotone per replica and per pool),
-check ``health()``, take assigned jobs (up to ``max_batch`` requests; at least one job), call
+ask :attr:`Fleet.health_probe` (default: ``health()`` before every call; the orchestrator's
+:class:`hetrl.orchestrator.supervisor.ReplicaSupervisor` probes only when due), take assigned jobs (up to ``max_batch`` requests; at least one job), call
 ``generate`` once, and return a :class:`JobResult` per job.
 
 **Failure.** A replica that raises, reports unhealthy, or returns generations that do not
 match its requests one to one is marked dead; every job assigned to it (in flight or waiting)
 goes back to the front of the queue, in order, and is routed elsewhere, so a job is delivered
 exactly once. A dead replica serves again only once :meth:`Fleet.revive` puts it back with a new
-sampler (the orchestrator does so per :class:`RestartPolicy`); otherwise the pool shrinks.
+sampler (the orchestrator's replica supervisor does so per :class:`RestartPolicy`); otherwise the
+pool shrinks.
 
 **Quarantine.** A pool whose rollouts are rejected too often (the policy is
-:class:`hetrl.core.admission.QuarantineConfig`, ``FleetConfig.quarantine``; the orchestrator
-decides) is taken out by :meth:`Fleet.quarantine`: its replicas stop serving like dead ones,
-its assigned and in-flight jobs go back to the queue for the other pools (the results of a call
+:class:`hetrl.core.admission.QuarantineConfig`, ``FleetConfig.quarantine``; the orchestrator's
+replica supervisor decides, from the admission gate's record) is taken out by
+:meth:`Fleet.quarantine`: its replicas stop serving like dead ones, its assigned and in-flight jobs go back to the queue for the other pools (the results of a call
 already running are discarded), and the reason is logged and kept in :attr:`Fleet.quarantined`.
 
 **Metrics** (:meth:`Fleet.metrics`), per pool under ``pool/<name>/``: ``requests`` (completed),
@@ -52,7 +54,8 @@ with ``price_per_hour`` the pool's on-demand or spot price (``PoolConfig.price``
 ``quarantined`` (0 or 1); fleet totals under ``fleet/``. Rented time is wall time, so it and
 ``idle_fraction`` compare with busy time on the ``wall`` cost clock (real accelerators, or
 embedded pools under ``pacing: modelled``); on the ``modelled`` clock busy time is accelerator
-time and rented time this machine's.
+time and rented time this machine's. The main per-pool figures, typed:
+:meth:`Fleet.pool_figures` (:class:`PoolFigures`, what the orchestrator's step recorder reads).
 
 **Pacing** (``FleetConfig.pacing: modelled``): every replica's ``generate`` calls are slowed
 to its profile's modelled decode rate relative to the fleet's fastest pool, which runs at CPU
@@ -78,12 +81,12 @@ import numpy as np
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from hetrl.core.admission import QuarantineConfig
-from hetrl.samplers.base import Generation, GenerationRequest, Sampler
+from hetrl.samplers.base import Generation, GenerationRequest, Sampler, SamplerHealth
 from hetrl.samplers.faults import ChaosConfig
 from hetrl.samplers.pacing import Paced, ReferenceRate
 from hetrl.samplers.profiles import CATALOGUE, PriceMode, SamplerNumerics, get_profile
 
-__all__ = ["Engine", "Endpoint", "ServerOptions", "is_loopback_host", "PoolConfig", "RestartPolicy", "FleetConfig", "Replica", "JobResult", "Fleet",
+__all__ = ["Engine", "Endpoint", "ServerOptions", "is_loopback_host", "PoolConfig", "RestartPolicy", "FleetConfig", "Replica", "JobResult", "Fleet", "PoolFigures",
            "FleetError", "SamplerFactory"]
 
 Engine = Literal["embedded", "sglang", "sglang-jax"]
@@ -303,12 +306,16 @@ class RestartPolicy(BaseModel):
     unhealthy): its jobs are re-queued at once; then, ``delay_s`` seconds later, the loop builds
     it again (a new embedded engine or Ray actor; a new client of the same server endpoint, which
     must answer its health check) and puts it back into routing, at most ``max_per_replica``
-    times per replica (0: the pool shrinks instead). A quarantined pool is never restarted."""
+    times per replica (0: the pool shrinks instead). A quarantined pool is never restarted.
+    ``health_every_s``: a replica that answered healthy is asked again before a call only after
+    this long (and always after a restart or a weight load); 0 probes before every call.
+    (:class:`hetrl.orchestrator.supervisor.ReplicaSupervisor` applies it.)"""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     max_per_replica: int = Field(3, ge=0)
     delay_s: float = Field(2.0, ge=0.0, allow_inf_nan=False)
+    health_every_s: float = Field(30.0, ge=0.0, allow_inf_nan=False)
 
 
 class FleetConfig(BaseModel):
@@ -406,6 +413,24 @@ class Replica:
         return sum(len(j.requests) for j in self.assigned) + sum(len(j.requests) for j in self.in_flight)
 
 
+@dataclass(frozen=True)
+class PoolFigures:
+    """One pool's cumulative figures (:meth:`Fleet.pool_figures`): completed ``requests``,
+    generated ``tokens``, its ``replicas`` and how many are alive, each replica's loaded weight
+    version (None: none loaded yet), ``cost_usd``, whether it is ``quarantined``, and the
+    token-weighted run averages of its mismatch metrics (maxima for ``*_max``; empty before any
+    of its tokens was trained on)."""
+
+    requests: int
+    tokens: int
+    replicas: int
+    replicas_alive: int
+    weight_versions: tuple[int | None, ...]
+    cost_usd: float
+    quarantined: bool
+    mismatch_avg: Mapping[str, float]
+
+
 @dataclass
 class _PoolStats:
     requests: int = 0
@@ -458,6 +483,9 @@ class Fleet:
         self.quarantined: dict[str, str] = {}  # pool -> reason
         self._rent_start, self._rent_end = time.monotonic(), None  # the rented-time clock
         self._rent_before: dict[str, float] = {}  # replica key -> rented seconds before a resume
+        self.health_probe: Callable[[Replica], SamplerHealth | None] = lambda r: r.sampler.health()
+        """Asked before each ``generate`` call of a replica, in its serving thread: its health, or
+        None for no probe this time (unhealthy: the replica is marked dead). Default: every call."""
 
     @classmethod
     def from_config(cls, config: FleetConfig, factory: SamplerFactory) -> "Fleet":
@@ -571,8 +599,8 @@ class Fleet:
             if weights is not None and weights[0] != r.weight_version:
                 r.sampler.update_weights(weights[0], weights[1])
                 r.weight_version = weights[0]
-            health = r.sampler.health()
-            if not health.healthy:
+            health = self.health_probe(r)
+            if health is not None and not health.healthy:
                 raise FleetError(f"replica {r.key} is unhealthy: {health.detail}")
         except Exception:
             self._fail(r)
@@ -661,20 +689,16 @@ class Fleet:
         with self._cond:
             self._stats[pool].trained_tokens += int(tokens)
 
-    def record_mismatch(self, metrics: Mapping[str, Any]) -> None:
-        """Fold one step's ``pool/<name>/mismatch/<metric>`` values (from
-        :func:`hetrl.core.correction.mismatch_metrics`; 0-d arrays of any namespace or floats)
-        into running per-pool aggregates: means weighted by the step's ``num_tokens`` of that
-        pool, maxima for ``*_max`` metrics. Other keys, and pools with no tokens, are ignored."""
-        per_pool: dict[str, dict[str, float]] = {}
-        for key, value in metrics.items():
-            parts = key.split("/")
-            if len(parts) >= 4 and parts[0] == "pool" and parts[2] == "mismatch" and parts[1] in self._stats:
-                per_pool.setdefault(parts[1], {})["/".join(parts[3:])] = float(value)
+    def record_mismatch(self, per_pool: Mapping[str, Mapping[str, float]]) -> None:
+        """Fold one step's per-pool mismatch metrics (``{pool: {metric: value}}``, as
+        :func:`hetrl.core.correction.pool_mismatch` gives them) into running per-pool aggregates:
+        means weighted by the step's ``num_tokens`` of that pool, maxima for ``*_max`` metrics.
+        Pools not in the fleet, and pools with no tokens, are ignored."""
         with self._cond:
-            for pool, values in per_pool.items():
+            for pool, step in per_pool.items():
+                values = {k: float(v) for k, v in step.items()}
                 n = values.pop("num_tokens", 0.0)
-                if n <= 0:
+                if pool not in self._stats or n <= 0:
                     continue
                 s = self._stats[pool]
                 s.mismatch_tokens += n
@@ -683,6 +707,20 @@ class Fleet:
                         s.mismatch_max[k] = max(s.mismatch_max.get(k, -math.inf), v)
                     else:
                         s.mismatch_sum[k] = s.mismatch_sum.get(k, 0.0) + v * n
+
+    def pool_figures(self) -> dict[str, "PoolFigures"]:
+        """Each pool's cumulative figures, typed (the per-pool part of :meth:`metrics`)."""
+        costs = {name: self.cost_usd(name) for name in self.pools}
+        with self._cond:
+            out = {}
+            for name, s in self._stats.items():
+                reps = [r for r in self.replicas if r.pool.name == name]
+                avg = {k: v / s.mismatch_tokens for k, v in s.mismatch_sum.items()} | dict(s.mismatch_max)
+                out[name] = PoolFigures(requests=s.requests, tokens=s.tokens, replicas=len(reps),
+                                        replicas_alive=sum(r.alive for r in reps),
+                                        weight_versions=tuple(r.weight_version for r in reps), cost_usd=costs[name],
+                                        quarantined=name in self.quarantined, mismatch_avg=avg)
+            return out
 
     def _price_per_second(self, pool: str) -> float:
         """USD per second of one replica of ``pool``: its hourly price (on-demand or spot) x

@@ -50,7 +50,8 @@ class ReferenceRate:
 class Paced(Slow):
     """``inner`` paced to ``ratio = c / c_ref`` (≤ 1) of the reference decode rate ``rate`` (see
     the module docstring); a replica of the reference pool (``ratio == 1``) runs unheld and
-    feeds ``rate``. Weights, health and reseed are forwarded unchanged."""
+    feeds ``rate``. Weights, health, reseed and abort are forwarded unchanged (an abort cuts the
+    inner call, not the hold)."""
 
     def __init__(self, inner: Sampler, ratio: float, rate: ReferenceRate, clock=time.monotonic, sleep=time.sleep):
         if not 0.0 < ratio <= 1.0:

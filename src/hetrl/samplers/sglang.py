@@ -185,6 +185,15 @@ class ServerSampler:
     def reseed(self, seed: int) -> None:
         raise CapabilityMissing(f"pool {self.pool.name!r}: an {self.pool.engine} server cannot reseed its random stream")
 
+    supports_abort = False
+    """Not :class:`hetrl.samplers.base.Abortable` (yet): SGLang's ``POST /abort_request {rid}``
+    would cut a request, but the client sends no request ids and the partial answer of an
+    aborted request is not checked against a real server here; ``weight_update: abort`` retracts
+    this pool's groups at turn boundaries."""
+
+    def abort(self) -> None:
+        raise CapabilityMissing(f"pool {self.pool.name!r}: the {self.pool.engine} client cannot abort its requests")
+
     def update_weights(self, version: int, weights: Mapping[str, np.ndarray]) -> None:
         """Export ``weights`` as ``version`` and make every endpoint load it (module docstring).
         A :class:`WeightSet` is checked and exported once per set, whichever replica (or the
