@@ -33,11 +33,13 @@ from hetrl.core.schema import Rollout, SamplingParams, collate
 from hetrl.models.config import ModelConfig
 from hetrl.models.hf_io import load_state_dict
 from hetrl.models.qwen_jax import from_hf_state_dict
+from hetrl.orchestrator.transport import SharedDiskTransport
 from hetrl.samplers.base import GenerationRequest, Sampler
 from hetrl.samplers.fleet import Fleet, PoolConfig
 from hetrl.samplers.head_support import support_from_head
 from hetrl.samplers.profiles import sampler_numerics
 from hetrl.samplers.sglang import KEEP_EXPORTS, ServerError, ServerSampler
+from hetrl.samplers.weight_set import WeightSet
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from sglang_server.server import SGLangServer  # noqa: E402
@@ -184,7 +186,12 @@ def test_weight_update_changes_outputs_and_version_and_rollback_restores_them(se
     after = sampler.generate(reqs)
     assert all(np.all(g.policy_version == 1) for g in after)
     assert any(not np.array_equal(a.token_ids, b.token_ids) for a, b in zip(after, base))
-    sampler.update_weights(2, weights)  # roll back to the original weights (as a new version)
+    # roll back to the original weights (as a new version) published through the shared-disk
+    # transport: the replica loads the transport's export and writes nothing itself
+    published = WeightSet(2, weights)
+    SharedDiskTransport(config, tmp_path / "weights", model_dir).stage(published)
+    sampler.update_weights(2, published)
+    assert list(published.builds.values()) == [1]
     again = sampler.generate(reqs)
     assert all(np.all(g.policy_version == 2) for g in again)
     for a, b in zip(again, base):

@@ -52,7 +52,7 @@ from hetrl.models.hf_io import check_state_dict, load_state_dict
 
 __all__ = [
     "Numerics", "KVCache", "PARTITIONING", "init_cache", "grow_cache", "contract", "QwenModel", "with_numerics",
-    "from_hf_state_dict", "to_hf_state_dict", "load_state_into", "load_hf",
+    "from_hf_state_dict", "to_hf_state_dict", "load_state_into", "load_hf", "hf_parameters",
 ]
 
 PARTITIONING: dict[str, tuple[str | None, ...]] = {
@@ -420,7 +420,7 @@ def with_numerics(model: QwenModel, numerics: Numerics) -> QwenModel:
 
 
 # ====================================================================== HF mapping
-def _hf_params(model: QwenModel) -> dict[str, tuple[nnx.Param, bool]]:
+def hf_parameters(model: QwenModel) -> dict[str, tuple[nnx.Param, bool]]:
     """HF tensor name -> (the Param holding it, whether it is stored transposed)."""
     out: dict[str, tuple[nnx.Param, bool]] = {
         "model.embed_tokens.weight": (model.embed_tokens, False),
@@ -451,7 +451,7 @@ def load_state_into(model: QwenModel, state: Mapping[str, np.ndarray]) -> None:
     otherwise). Values are cast to each parameter's dtype and placed with its current sharding,
     so jitted functions taking ``nnx.state(model)`` do not retrace."""
     check_state_dict(model.config, state)
-    for name, (param, transposed) in _hf_params(model).items():
+    for name, (param, transposed) in hf_parameters(model).items():
         arr = np.asarray(state[name])
         old = param.get_value()
         value = jnp.asarray(arr.T if transposed else arr, dtype=old.dtype)
@@ -474,7 +474,7 @@ def to_hf_state_dict(model: QwenModel) -> dict[str, np.ndarray]:
     the exact inverse of :func:`load_state_into` for float32 params (a tied model has no
     ``lm_head.weight``, as in HF)."""
     out = {}
-    for name, (param, transposed) in _hf_params(model).items():
+    for name, (param, transposed) in hf_parameters(model).items():
         arr = np.asarray(jax.device_get(param.get_value())).astype(np.float32)
         out[name] = np.ascontiguousarray(arr.T if transposed else arr)
     return out

@@ -2,13 +2,18 @@
 
 The loop itself is :class:`hetrl.orchestrator.loop.AsyncOrchestrator`; here every replica's
 embedded sampler and the trainer (JAX or Megatron) are plain objects in the driver process, called directly
-from the rollout workers and the trainer loop (JAX releases the GIL while it computes).
+from the rollout workers and the trainer loop (JAX releases the GIL while it computes). Weights
+reach the embedded replicas in process (:class:`hetrl.orchestrator.transport.InProcessTransport`:
+quantized once per weight format, loaded in place).
 """
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from hetrl.orchestrator.loop import AsyncOrchestrator, build_embedded_sampler
 from hetrl.orchestrator.trainer_handle import TrainerHandle, TrainerSetup, build_trainer
+from hetrl.orchestrator.transport import InProcessTransport, WeightTransport
 from hetrl.samplers.base import Sampler
 from hetrl.samplers.profiles import SamplerNumerics
 
@@ -25,3 +30,6 @@ class LocalOrchestrator(AsyncOrchestrator):
 
     def _create_trainer(self, setup: TrainerSetup) -> TrainerHandle:
         return build_trainer(self.model_dir, setup)
+
+    def _embedded_transport(self, numerics: Sequence[SamplerNumerics]) -> WeightTransport:
+        return InProcessTransport(self.model_config, numerics)

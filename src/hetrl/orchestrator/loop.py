@@ -25,8 +25,10 @@ Threads of the driver:
 * the **trainer loop** (the calling thread): ``buffer.take(batch_groups, trainer.version)``
   returns as soon as that many groups are ready, none older than ``max_staleness`` versions; the
   batch is collated and trained on with one ``train_step``; the new weights are published to the
-  fleet with the new version. While it waits for a batch it lets the supervisor tend the fleet
-  (``supervisor.tend``: dead replicas rebuilt per ``fleet.restart``, in restart threads).
+  fleet with the new version, through the run's weight transports
+  (:mod:`hetrl.orchestrator.transport`: staged once per version, loaded by each replica between
+  calls; embedded replicas in place). While it waits for a batch it lets the supervisor tend the
+  fleet (``supervisor.tend``: dead replicas rebuilt per ``fleet.restart``, in restart threads).
 
 **Replicas** are looked after by one :class:`hetrl.orchestrator.supervisor.ReplicaSupervisor`:
 health probes (when due, not before every call), restarts, quarantine (the admission gate's
@@ -137,6 +139,7 @@ from hetrl.orchestrator.schedule import Driver, Schedule, make_schedule
 from hetrl.orchestrator.supervisor import ReplicaSupervisor
 from hetrl.orchestrator.tasks import TaskSource
 from hetrl.orchestrator.trainer_handle import TrainerHandle, TrainerSetup
+from hetrl.orchestrator.transport import SharedDiskTransport, WeightPublisher, WeightTransport
 from hetrl.samplers.base import Generation, GenerationRequest, Sampler, can_reseed
 from hetrl.samplers.faults import ChaosLedger, ChaosSampler
 from hetrl.samplers.fleet import Fleet, JobResult, PoolConfig, Replica
@@ -276,6 +279,20 @@ class AsyncOrchestrator(abc.ABC):
     def _create_trainer(self, setup: TrainerSetup) -> TrainerHandle:
         """``build_trainer(self.model_dir, setup)``, wherever it runs."""
 
+    @abc.abstractmethod
+    def _embedded_transport(self, numerics: Sequence[SamplerNumerics]) -> WeightTransport:
+        """The :class:`~hetrl.orchestrator.transport.WeightTransport` to the embedded replicas
+        of pools with these ``numerics``, wherever they run."""
+
+    def _transports(self) -> list[WeightTransport]:
+        """The transports to this run's pools: the backend's to embedded replicas, the shared
+        disk (the run folder's ``weights/``) to server pools."""
+        pools = self.config.fleet.pools
+        embedded = [p.numerics() for p in pools if p.engine == "embedded"]
+        return ([self._embedded_transport(embedded)] if embedded else []) + (
+            [SharedDiskTransport(self.model_config, self.folder.weights, self.model_dir)]
+            if any(p.engine != "embedded" for p in pools) else [])
+
     # ================================================================== setup
     def _setup(self) -> None:
         from tokenizers import Tokenizer
@@ -318,6 +335,7 @@ class AsyncOrchestrator(abc.ABC):
         self.trainer = self._create_trainer(setup)
         self._check_stop()
         self.fleet = Fleet.from_config(cfg.fleet, self._make_sampler)
+        self.publisher = WeightPublisher(self.fleet, self._transports())
         self._check_stop()
         self.pool_names = tuple(self.fleet.pools)
         self._eval_sampler = (self._create_sampler(sampler_numerics("fp32"), pool="eval", seed=cfg.seed)
@@ -338,7 +356,7 @@ class AsyncOrchestrator(abc.ABC):
                 self._resume_state = json.loads(state.read_text())
             self._resumed_history = _truncate_metrics(self.metrics_path, step)
         if self.trainer.version > 0:
-            self.fleet.publish_weights(self.trainer.version, self.trainer.export_hf_weights())
+            self.publisher.publish(self.trainer.version, self.trainer.export_hf_weights())
         self._check_stop()
 
     def _check_stop(self) -> None:
@@ -615,8 +633,7 @@ class AsyncOrchestrator(abc.ABC):
                     old = self.trainer.logprobs(batch) if self.needs_old_logprobs else None
                     metrics = self.trainer.train_step(batch, old)
                     step_s = time.monotonic() - step_start
-                    weights = self.trainer.export_hf_weights()
-                    self.fleet.publish_weights(self.trainer.version, weights)
+                    weights = self.publisher.publish(self.trainer.version, self.trainer.export_hf_weights())
                     if a.weight_update == "abort":
                         self.supervisor.abort_in_flight()
                     with self._lock:

@@ -19,9 +19,11 @@ finish elsewhere, exactly once.
 
 Calls travel through Ray's object store with Ray's own serialization, between our own
 processes only. Published weights (HF-named numpy arrays) are put into the object store once
-per version (:class:`SharedWeights`) and every actor loads that one copy. Actors reserve no CPU
-(``num_cpus=0``) so any number of them share a small machine; the trainer's checkpoints are
-written by its actor to the run folder's ``checkpoints/``, which must be on a disk the driver sees.
+per version (:class:`hetrl.orchestrator.transport.RayObjectStoreTransport`) and every actor is
+sent the reference, fetching that one copy itself (the driver never relays weights per
+replica). Actors reserve no CPU (``num_cpus=0``) so any number of them share a small machine;
+the trainer's checkpoints are written by its actor to the run folder's ``checkpoints/``, which
+must be on a disk the driver sees.
 
 Ray: ``ray.address`` connects to a running cluster; otherwise a private local instance is
 started (``ray.num_cpus``, files under ``ray.temp_dir`` or a fresh short directory in /tmp,
@@ -35,7 +37,6 @@ import os
 import pathlib
 import shutil
 import tempfile
-import threading
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -44,11 +45,12 @@ import ray
 from hetrl.core.schema import RolloutBatch, SamplerInfo
 from hetrl.orchestrator.loop import AsyncOrchestrator, build_embedded_sampler
 from hetrl.orchestrator.trainer_handle import TrainerHandle, TrainerSetup, build_trainer
+from hetrl.orchestrator.transport import RayObjectStoreTransport, WeightTransport, object_ref
 from hetrl.samplers.base import Generation, GenerationRequest, Sampler, SamplerHealth
 from hetrl.samplers.profiles import SamplerNumerics
 from hetrl.stopping import reclaim_signals
 
-__all__ = ["RayOrchestrator", "RaySampler", "RayTrainer", "SharedWeights", "HostActor"]
+__all__ = ["RayOrchestrator", "RaySampler", "RayTrainer", "HostActor"]
 
 
 @ray.remote(num_cpus=0, concurrency_groups={"signal": 1})
@@ -72,28 +74,12 @@ class HostActor:
         return getattr(self._obj, name)
 
 
-class SharedWeights:
-    """The object-store copy of the latest published weights: :meth:`ref` puts a weight set the
-    first time any actor needs it and hands the same reference to every other one."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._latest: tuple[int, Mapping[str, np.ndarray], ray.ObjectRef] | None = None
-
-    def ref(self, version: int, weights: Mapping[str, np.ndarray]) -> ray.ObjectRef:
-        with self._lock:
-            if self._latest is None or self._latest[0] != version or self._latest[1] is not weights:
-                self._latest = (version, weights, ray.put(dict(weights)))
-            return self._latest[2]
-
-
 class RaySampler:
     """The :class:`Sampler` protocol over a :class:`HostActor` hosting a sampler; ``info`` is
     fetched once (the first access waits for the actor to be built)."""
 
-    def __init__(self, actor: "ray.actor.ActorHandle", weights: SharedWeights):
+    def __init__(self, actor: "ray.actor.ActorHandle"):
         self.actor = actor
-        self._weights = weights
         self._info: SamplerInfo | None = None
         self._supports_reseed: bool | None = None
         self._supports_abort: bool | None = None
@@ -108,7 +94,9 @@ class RaySampler:
         return ray.get(self.actor.call.remote("generate", list(requests)))
 
     def update_weights(self, version: int, weights: Mapping[str, np.ndarray]) -> None:
-        ray.get(self.actor.call.remote("update_weights", version, self._weights.ref(version, weights)))
+        """Send the actor the object-store reference of ``weights`` (put once per
+        :class:`~hetrl.samplers.weight_set.WeightSet`); Ray resolves it in the actor's process."""
+        ray.get(self.actor.call.remote("update_weights", version, object_ref(weights)))
 
     def health(self) -> SamplerHealth:
         return ray.get(self.actor.call.remote("health"))
@@ -183,7 +171,6 @@ class RayOrchestrator(AsyncOrchestrator):
 
     def _start_backend(self) -> None:
         self._actors: list[ray.actor.ActorHandle] = []
-        self._weights = SharedWeights()
         self._owns_ray = not ray.is_initialized()
         self._temp_dir: str | None = None
         if not self._owns_ray:
@@ -216,11 +203,13 @@ class RayOrchestrator(AsyncOrchestrator):
         return actor
 
     def _create_sampler(self, numerics: SamplerNumerics, *, pool: str, seed: int) -> Sampler:
-        return RaySampler(self._host(build_embedded_sampler, self.model_dir, numerics, pool=pool, seed=seed),
-                          self._weights)
+        return RaySampler(self._host(build_embedded_sampler, self.model_dir, numerics, pool=pool, seed=seed))
 
     def _create_trainer(self, setup: TrainerSetup) -> TrainerHandle:
         return RayTrainer(self._host(build_trainer, self.model_dir, setup))
+
+    def _embedded_transport(self, numerics: Sequence[SamplerNumerics]) -> WeightTransport:
+        return RayObjectStoreTransport()
 
     def replica_actor(self, replica_key: str) -> "ray.actor.ActorHandle":
         """The actor of replica ``<pool>/<index>`` (once the run has set up its fleet)."""

@@ -10,6 +10,12 @@ so its mismatch with the trainer is computed, never injected:
   channel / 16- or 32-element blocks along ``in``); embeddings, norms, biases and the LM head
   stay in the profile's compute dtype, as quantized serving checkpoints keep them. This is
   applied at load and at every :meth:`EmbeddedSampler.update_weights`.
+* **weight updates** happen in place: :func:`stage_parameters` turns HF weights straight into
+  the parameter arrays of the model the sampler built once (:func:`parameter_layout`: which
+  array each HF tensor becomes, transposed or not), so an update swaps arrays of identical
+  shapes, dtypes and placement: no model is rebuilt and the compiled generate function is reused.
+  Given a :class:`hetrl.samplers.weight_set.WeightSet`, the arrays of one weight format are staged
+  once per version and shared by every replica of that format (:func:`staged_parameters`).
 * **compute**: the model's ``Numerics`` come from :meth:`SamplerNumerics.model_numerics`
   (compute / accumulation / softmax dtypes, KV-cache format applied on every cache write, split-K
   chunking); the parameters are stored in the compute dtype.
@@ -49,7 +55,8 @@ import itertools
 import re
 import threading
 import time
-from typing import Mapping, NamedTuple, Sequence
+from dataclasses import dataclass
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -61,12 +68,14 @@ from hetrl.core.precision import quantize_dequantize
 from hetrl.core.schema import SamplerInfo, SamplingSupport
 from hetrl.models.config import ModelConfig
 from hetrl.models.hf_io import check_state_dict, load_state_dict
-from hetrl.models.qwen_jax import KVCache, QwenModel, from_hf_state_dict, grow_cache, init_cache
+from hetrl.models.qwen_jax import KVCache, QwenModel, grow_cache, hf_parameters, init_cache
 from hetrl.samplers.base import Generation, GenerationRequest, SamplerHealth, check_request
 from hetrl.samplers.profiles import SamplerNumerics
 from hetrl.samplers.sampling import DEFAULT_SUPPORT_CAP, check_params, draw_noise, row_keys, sample
+from hetrl.samplers.weight_set import WeightSet
 
-__all__ = ["EmbeddedSampler", "quantize_weights", "QUANTIZED_WEIGHT", "DEFAULT_LENGTH_BUCKETS", "DEFAULT_BATCH_BUCKETS"]
+__all__ = ["EmbeddedSampler", "quantize_weights", "QUANTIZED_WEIGHT", "DEFAULT_LENGTH_BUCKETS", "DEFAULT_BATCH_BUCKETS",
+           "ParameterLayout", "parameter_layout", "stage_parameters", "staged_parameters", "staging_key", "storage_format"]
 
 QUANTIZED_WEIGHT = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight")
 """HF names of the tensors stored in the pool's weight format (the rest: compute dtype)."""
@@ -82,14 +91,85 @@ decode step, so a call checks a few times rather than at every step."""
 _DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 
 
+def storage_format(name: str, numerics: SamplerNumerics) -> str:
+    """The format the pool stores HF tensor ``name`` in: ``numerics.weight_format`` for
+    :data:`QUANTIZED_WEIGHT` tensors, the compute dtype (``param_format``) for every other one."""
+    return numerics.weight_format if QUANTIZED_WEIGHT.fullmatch(name) else numerics.param_format
+
+
 def quantize_weights(state: Mapping[str, np.ndarray], numerics: SamplerNumerics) -> dict[str, np.ndarray]:
-    """HF state dict as the pool stores it: :data:`QUANTIZED_WEIGHT` tensors rounded to
-    ``numerics.weight_format``, every other tensor to the compute dtype (float32 arrays out)."""
-    out = {}
-    for name, value in state.items():
-        fmt = numerics.weight_format if QUANTIZED_WEIGHT.fullmatch(name) else numerics.param_format
-        out[name] = quantize_dequantize(np.asarray(value, dtype=np.float32), fmt)
-    return out
+    """HF state dict as the pool stores it: every tensor rounded to its :func:`storage_format`
+    (float32 arrays out)."""
+    return {name: quantize_dequantize(np.asarray(value, dtype=np.float32), storage_format(name, numerics))
+            for name, value in state.items()}
+
+
+@dataclass(frozen=True)
+class ParameterLayout:
+    """Where HF tensors go among the parameter arrays of a :class:`QwenModel` flattened as
+    ``jax.tree.flatten(nnx.split(model)[1])``: ``entries`` holds ``(hf name, array index,
+    transposed)`` (HF ``[out, in]`` kernels are stored ``[in, out]``); ``treedef`` the flattening's
+    structure."""
+
+    entries: tuple[tuple[str, int, bool], ...]
+    treedef: Any
+
+
+@functools.lru_cache(maxsize=None)
+def parameter_layout(config: ModelConfig, param_format: str) -> ParameterLayout:
+    """The :class:`ParameterLayout` of ``config``'s model with parameters in ``param_format``
+    (built abstractly, nothing computed; cached)."""
+    model = nnx.eval_shape(lambda: QwenModel(config, rngs=nnx.Rngs(0), param_dtype=_DTYPES[param_format]))
+    leaves, treedef = jax.tree.flatten(nnx.split(model)[1])
+    index = {id(leaf): i for i, leaf in enumerate(leaves)}
+    entries = tuple((name, index[id(param.get_value())], transposed)
+                    for name, (param, transposed) in hf_parameters(model).items())
+    if sorted(i for _, i, _ in entries) != list(range(len(leaves))):
+        raise RuntimeError("the model has parameter arrays that no HF tensor fills")
+    return ParameterLayout(entries, treedef)
+
+
+@functools.partial(jax.jit, static_argnames=("transposed", "dtype"))
+def _to_parameter(value, *, transposed: bool, dtype):
+    """One HF tensor (float32, already rounded to its storage format) as a parameter array."""
+    return (value.T if transposed else value).astype(dtype)
+
+
+def stage_parameters(weights: Mapping[str, np.ndarray], config: ModelConfig, numerics: SamplerNumerics) -> list[jax.Array]:
+    """The parameter arrays (in :func:`parameter_layout` order) of ``config``'s model holding the
+    HF ``weights`` as the pool stores them: each tensor rounded to its :func:`storage_format`,
+    transposed where the layout says, in the compute dtype; equal to those of
+    ``from_hf_state_dict(config, quantize_weights(weights, numerics), param_dtype=...)``. A tensor
+    stored in the compute dtype itself is only cast (the cast rounds to nearest even, as
+    :func:`quantize_dequantize` does), one pass over it. ``weights`` are not validated here."""
+    layout = parameter_layout(config, numerics.param_format)
+    dtype = _DTYPES[numerics.param_format]
+    leaves: list[Any] = [None] * len(layout.entries)
+    for name, index, transposed in layout.entries:
+        value = np.asarray(weights[name], dtype=np.float32)
+        fmt = storage_format(name, numerics)
+        if fmt != numerics.param_format:
+            value = quantize_dequantize(value, fmt)
+        leaves[index] = _to_parameter(value, transposed=transposed, dtype=dtype)
+    return leaves
+
+
+def staging_key(config: ModelConfig, numerics: SamplerNumerics) -> tuple:
+    """What the staged parameter arrays depend on: the model and the weight and compute formats
+    (replicas of pools that differ only in KV cache, activation, accumulation or split-K numerics
+    share them: those act at run time, not on the stored weights)."""
+    return ("embedded", config, numerics.weight_format, numerics.param_format)
+
+
+def staged_parameters(weights: Mapping[str, np.ndarray], config: ModelConfig, numerics: SamplerNumerics) -> list[jax.Array]:
+    """:func:`stage_parameters` of validated ``weights`` (:func:`hetrl.models.hf_io.check_state_dict`;
+    ``CheckpointError`` otherwise). For a :class:`WeightSet`, the check runs once per set and the
+    arrays are staged once per set and :func:`staging_key`, then shared."""
+    if not isinstance(weights, WeightSet):
+        check_state_dict(config, weights)
+        return stage_parameters(weights, config, numerics)
+    weights.staged(("checked", config), lambda ws: check_state_dict(config, ws))
+    return weights.staged(staging_key(config, numerics), lambda ws: stage_parameters(ws, config, numerics))
 
 
 def _bucket(n: int, buckets: Sequence[int]) -> int:
@@ -277,21 +357,15 @@ class EmbeddedSampler:
         self._calls: set[int] = set()  # ids (in _ABORTS) of the generate calls running now
         self._tokens = 0
         self._cap_bound = 0
-        self._graphdef, self._treedef, self._leaves = self._build(weights)
+        # the model's structure, built once (abstractly); weights only ever replace its arrays
+        model = nnx.eval_shape(lambda: QwenModel(config, rngs=nnx.Rngs(0), param_dtype=_DTYPES[numerics.param_format],
+                                                 numerics=numerics.model_numerics()))
+        self._graphdef, state = nnx.split(model)
+        self._treedef = jax.tree.structure(state)
+        if self._treedef != parameter_layout(config, numerics.param_format).treedef:
+            raise RuntimeError("the sampler's model does not flatten like its parameter layout")
+        self._leaves = staged_parameters(weights, config, numerics)
         self._version = version
-
-    def _build(self, weights: Mapping[str, np.ndarray]):
-        """``(graphdef, treedef, parameter arrays)`` of the model holding the quantized ``weights``.
-
-        Always a fresh model built the same way (rather than an in-place update of the previous
-        one), so the arrays keep the same placement and the jit cache key does not change."""
-        check_state_dict(self.config, weights)
-        model = from_hf_state_dict(self.config, quantize_weights(weights, self.numerics),
-                                   param_dtype=_DTYPES[self.numerics.param_format],
-                                   numerics=self.numerics.model_numerics())
-        graphdef, state = nnx.split(model)
-        leaves, treedef = jax.tree.flatten(state)
-        return graphdef, treedef, leaves
 
     @classmethod
     def from_checkpoint(cls, directory, numerics: SamplerNumerics, **kwargs) -> "EmbeddedSampler":
@@ -308,9 +382,10 @@ class EmbeddedSampler:
         return self._version
 
     def update_weights(self, version: int, weights: Mapping[str, np.ndarray]) -> None:
-        """Quantize and load HF-named ``weights``; tokens of later calls carry ``version``.
-        In-flight calls finish on the weights they started with. Same shapes: no recompilation."""
-        _, _, leaves = self._build(weights)
+        """Load HF-named ``weights`` in place (:func:`staged_parameters`: quantized once per
+        format for a :class:`WeightSet`); tokens of later calls carry ``version``. In-flight
+        calls finish on the arrays they started with. Same model, same shapes: no recompilation."""
+        leaves = staged_parameters(weights, self.config, self.numerics)
         with self._lock:
             self._leaves = leaves
             self._version = int(version)

@@ -67,8 +67,9 @@ from hetrl.samplers.fleet import PoolConfig
 from hetrl.samplers.head_support import HeadSupportError, check_head_params, support_from_head
 from hetrl.samplers.profiles import SamplerNumerics
 from hetrl.samplers.weight_export import export_weights, prune_exports
+from hetrl.samplers.weight_set import WeightSet
 
-__all__ = ["ServerError", "ServerUnreachable", "ServerSampler"]
+__all__ = ["ServerError", "ServerUnreachable", "ServerSampler", "disk_export"]
 
 log = logging.getLogger(__name__)
 KEEP_EXPORTS = 4
@@ -194,9 +195,10 @@ class ServerSampler:
         raise CapabilityMissing(f"pool {self.pool.name!r}: the {self.pool.engine} client cannot abort its requests")
 
     def update_weights(self, version: int, weights: Mapping[str, np.ndarray]) -> None:
-        """Export ``weights`` as ``version`` and make every endpoint load it (module docstring)."""
-        check_state_dict(self.config, weights)
-        directory = export_weights(self.weights_dir, version, weights, self.model_dir)
+        """Export ``weights`` as ``version`` and make every endpoint load it (module docstring).
+        A :class:`WeightSet` is checked and exported once per set, whichever replica (or the
+        shared-disk transport, :mod:`hetrl.orchestrator.transport`) asks first."""
+        directory = disk_export(version, weights, self.config, self.weights_dir, self.model_dir)
         with self._lock:
             self._version, self._source = int(version), directory
         self._sync(self.endpoints)
@@ -469,6 +471,20 @@ class ServerSampler:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         self._loop.close()
+
+
+def disk_export(version: int, weights: Mapping[str, np.ndarray], config: ModelConfig,
+                weights_dir: str | pathlib.Path, model_dir: str | pathlib.Path) -> pathlib.Path:
+    """The export of ``weights`` (validated against ``config``) as ``version`` under
+    ``weights_dir`` (:func:`hetrl.samplers.weight_export.export_weights`, with ``model_dir``'s
+    non-weight files); for a :class:`WeightSet`, staged once per set and directory."""
+    def export(ws: Mapping[str, np.ndarray]) -> pathlib.Path:
+        check_state_dict(config, ws)
+        return export_weights(weights_dir, version, ws, model_dir)
+
+    if isinstance(weights, WeightSet):
+        return weights.staged(("disk", pathlib.Path(weights_dir).resolve()), export)
+    return export(weights)
 
 
 def _native_support(meta: Mapping[str, Any], ids: np.ndarray) -> tuple[SamplingSupport, np.ndarray]:
