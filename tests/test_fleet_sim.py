@@ -6,7 +6,9 @@ import math
 import pytest
 
 from hetrl.errors import UserError
-from hetrl.fleet_sim.config import SimConfig, load_sim_config, masked_fraction
+from hetrl.fleet_sim.config import SimConfig, SimPool, load_sim_config, masked_fraction
+from hetrl.fleet_sim.plan import load_plan_config
+from hetrl.samplers.fleet import PoolConfig
 from hetrl.fleet_sim.engine import simulate
 
 
@@ -132,6 +134,30 @@ def test_bad_config_is_one_line(tmp_path):
         load_sim_config(tmp_path / "missing.yaml")
     bad.write_text("model: {params_b: 8}\npools: [{name: a, accelerator: v100}]\n")
     with pytest.raises(UserError, match="unknown accelerator kind 'v100'"):
+        load_sim_config(bad)
+
+
+@pytest.mark.parametrize("spec", [
+    {"accelerator": "b200", "weight_precision": "nvfp4"},
+    {"accelerator": "h100", "weight_precision": "fp8_e4m3", "kv_precision": "fp8_e4m3", "price": "spot",
+     "price_per_hour_usd": 1.25},
+    {"accelerator": "mi300x", "price_per_hour_usd": 3.0, "relative_throughput": 1.7},
+    {"accelerator": "a100"},
+])
+def test_a_simulated_pool_has_the_numerics_of_the_same_fleet_pool(spec):
+    sim, real = SimPool(name="p", **spec).numerics(), PoolConfig(name="p", **spec).numerics()
+    assert sim == real
+    assert sim.cost_per_hour(spec.get("price", "on_demand")) == real.cost_per_hour(spec.get("price", "on_demand"))
+
+
+def test_plan_and_repeated_keys_load_as_one_line(tmp_path):
+    bad = tmp_path / "plan.yaml"
+    bad.write_text("model: {params_b: 8}\ncapacity: [{name: a, accelerator: h100, max_replicas: 2}]\n")
+    with pytest.raises(UserError, match=r"target_tokens_per_s: Field required \(1 error\(s\)\)") as err:
+        load_plan_config(bad)
+    assert "\n" not in str(err.value)
+    bad.write_text("model: {params_b: 8}\nmodel: {params_b: 70}\npools: [{name: a, accelerator: h100}]\n")
+    with pytest.raises(UserError, match="not valid YAML.*'model'"):
         load_sim_config(bad)
 
 

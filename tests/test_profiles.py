@@ -10,7 +10,9 @@ from hetrl.samplers.profiles import (
     REFERENCE_KIND,
     AcceleratorProfile,
     SamplerNumerics,
+    WEIGHT_FORMAT_SPEEDUP,
     get_profile,
+    pool_numerics,
     sampler_numerics,
 )
 
@@ -125,3 +127,15 @@ def test_activation_format_validation_names_kind_and_format():
         sampler_numerics("a100", "int8", activation_format="fp8_e4m3")
     with pytest.raises(ValidationError, match="activation format 'fp7'"):
         sampler_numerics("b200", "bf16", activation_format="fp7")
+
+
+@pytest.mark.parametrize("kind", sorted(CATALOGUE))
+@pytest.mark.parametrize("mode", ["on_demand", "spot"])
+def test_pool_numerics_override_the_price_of_its_mode_only(kind, mode):
+    base = sampler_numerics(kind)
+    other = "spot" if mode == "on_demand" else "on_demand"
+    n = pool_numerics(kind, None, None, None, mode, price_per_hour_usd=0.123, relative_throughput=2.5)
+    assert n.cost_per_hour(mode) == 0.123
+    assert n.cost_per_hour(other) == base.cost_per_hour(other)
+    assert n.relative_throughput() == pytest.approx(2.5 * WEIGHT_FORMAT_SPEEDUP[n.weight_format])
+    assert pool_numerics(kind, None, None, None, mode) == base

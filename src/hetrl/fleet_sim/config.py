@@ -30,16 +30,18 @@ measurement:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from hetrl.config import load_yaml
 from hetrl.errors import UserError
-from hetrl.samplers.profiles import CATALOGUE, PriceMode, SamplerNumerics, get_profile, sampler_numerics
+from hetrl.samplers.profiles import PriceMode, SamplerNumerics, known_kind, pool_numerics, sampler_numerics
 
 __all__ = ["PEAK_BF16_TFLOPS", "WEIGHT_MASKED", "KV_MASKED", "reference_tps", "masked_fraction", "ModelSpec", "TrainerSpec",
-           "WorkloadSpec", "SimPool", "SimConfig", "load_sim_config"]
+           "WorkloadSpec", "SimPool", "SimConfig", "load_yaml_model",
+           "load_sim_config"]
 
 #: Dense bf16 tensor-core / MXU peak, TFLOP/s per accelerator (vendor datasheets, without sparsity).
 PEAK_BF16_TFLOPS: dict[str, float] = {
@@ -64,6 +66,8 @@ KV_MASKED: dict[str, float] = {
 }
 
 _H100_BYTES_PER_S = 3.35e12
+
+M = TypeVar("M", bound=BaseModel)
 
 
 def reference_tps(model: "ModelSpec", max_batch: int, override: float | None = None) -> float:
@@ -169,9 +173,7 @@ class SimPool(_Strict):
     @field_validator("accelerator")
     @classmethod
     def _kind(cls, v: str) -> str:
-        if v not in CATALOGUE:
-            raise ValueError(f"unknown accelerator kind {v!r}; known kinds: {', '.join(CATALOGUE)}")
-        return v
+        return known_kind(v)
 
     @model_validator(mode="after")
     def _native(self) -> "SimPool":
@@ -179,13 +181,11 @@ class SimPool(_Strict):
         return self
 
     def numerics(self) -> SamplerNumerics:
-        """The pool's numerics, with price (of its mode) and throughput overrides."""
-        price_field = "spot_price_per_hour_usd" if self.price == "spot" else "price_per_hour_usd"
-        overrides = {k: v for k, v in ((price_field, self.price_per_hour_usd),
-                                       ("relative_throughput", self.relative_throughput)) if v is not None}
-        profile = get_profile(self.accelerator, **overrides)
-        return SamplerNumerics(profile=profile, weight_format=self.weight_precision or profile.default_weight_format,
-                               kv_format=self.kv_precision or profile.default_kv_format)
+        """The pool's numerics, with price (of its mode) and throughput overrides. The activation
+        format is what engines serve with the weight format (a simulated pool does not choose
+        it: neither its throughput nor the masked-fraction table depends on it)."""
+        return pool_numerics(self.accelerator, self.weight_precision, self.kv_precision, None,
+                             self.price, self.price_per_hour_usd, self.relative_throughput)
 
     def capacity(self) -> float:
         """Relative decode throughput of one replica (H100-bf16 accelerators)."""
@@ -229,11 +229,14 @@ class SimConfig(_Strict):
         return reference_tps(self.model, self.max_batch, self.reference_tokens_per_s)
 
 
-def load_sim_config(path: str | Path) -> SimConfig:
-    """Read and validate a simulator YAML; a bad file or key is one :class:`~hetrl.errors.UserError` line."""
+def load_yaml_model(path: str | Path, model_cls: type[M]) -> M:
+    """Read the YAML mapping at ``path`` (:func:`hetrl.config.load_yaml`: a key repeated in one
+    map is refused) and validate it as ``model_cls``; a missing file, bad YAML, a non-mapping or
+    an invalid key is one :class:`~hetrl.errors.UserError` line naming the file (and, for a
+    validation error, the first bad key and the number of errors)."""
     p = Path(path)
     try:
-        data = yaml.safe_load(p.read_text())
+        data = load_yaml(p.read_text())
     except FileNotFoundError:
         raise UserError(f"{p}: no such file") from None
     except yaml.YAMLError as err:
@@ -241,8 +244,13 @@ def load_sim_config(path: str | Path) -> SimConfig:
     if not isinstance(data, dict):
         raise UserError(f"{p}: expected a mapping at the top level")
     try:
-        return SimConfig.model_validate(data)
+        return model_cls.model_validate(data)
     except ValidationError as err:
         first = err.errors()[0]
         loc = ".".join(str(x) for x in first["loc"]) or "(top level)"
         raise UserError(f"{p}: {loc}: {first['msg']} ({err.error_count()} error(s))") from None
+
+
+def load_sim_config(path: str | Path) -> SimConfig:
+    """Read and validate a simulator YAML (:func:`load_yaml_model`)."""
+    return load_yaml_model(path, SimConfig)

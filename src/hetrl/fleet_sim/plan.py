@@ -25,11 +25,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field
 
-from hetrl.errors import UserError
-from hetrl.fleet_sim.config import ModelSpec, SimConfig, SimPool, TrainerSpec, WorkloadSpec, _Strict, reference_tps
+from hetrl.fleet_sim.config import (ModelSpec, SimConfig, SimPool, TrainerSpec, WorkloadSpec, _Strict, load_yaml_model,
+                                   reference_tps)
 from hetrl.fleet_sim.engine import simulate
 
 __all__ = ["CapacityPool", "PlanConfig", "load_plan_config", "plan"]
@@ -65,22 +64,8 @@ class PlanConfig(_Strict):
 
 
 def load_plan_config(path: str | Path) -> PlanConfig:
-    """Read and validate a plan YAML; a bad file or key is one :class:`~hetrl.errors.UserError` line."""
-    p = Path(path)
-    try:
-        data = yaml.safe_load(p.read_text())
-    except FileNotFoundError:
-        raise UserError(f"{p}: no such file") from None
-    except yaml.YAMLError as err:
-        raise UserError(f"{p}: not valid YAML: {err}") from None
-    if not isinstance(data, dict):
-        raise UserError(f"{p}: expected a mapping at the top level")
-    try:
-        return PlanConfig.model_validate(data)
-    except ValidationError as err:
-        first = err.errors()[0]
-        loc = ".".join(str(x) for x in first["loc"]) or "(top level)"
-        raise UserError(f"{p}: {loc}: {first['msg']} ({err.error_count()} error(s))") from None
+    """Read and validate a plan YAML (:func:`~hetrl.fleet_sim.config.load_yaml_model`)."""
+    return load_yaml_model(path, PlanConfig)
 
 
 def _meets(report: dict[str, Any], cfg: PlanConfig) -> bool:

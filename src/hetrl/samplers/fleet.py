@@ -84,7 +84,7 @@ from hetrl.core.admission import QuarantineConfig
 from hetrl.samplers.base import Generation, GenerationRequest, Sampler, SamplerHealth
 from hetrl.samplers.faults import ChaosConfig
 from hetrl.samplers.pacing import Paced, ReferenceRate
-from hetrl.samplers.profiles import CATALOGUE, PriceMode, SamplerNumerics, get_profile
+from hetrl.samplers.profiles import CATALOGUE, PriceMode, SamplerNumerics, known_kind, pool_numerics
 
 __all__ = ["Engine", "Endpoint", "ServerOptions", "is_loopback_host", "PoolConfig", "RestartPolicy", "FleetConfig", "Replica", "JobResult", "Fleet", "PoolFigures",
            "FleetError", "SamplerFactory"]
@@ -222,9 +222,7 @@ class PoolConfig(BaseModel):
     @field_validator("accelerator")
     @classmethod
     def _kind(cls, v: str) -> str:
-        if v not in CATALOGUE:
-            raise ValueError(f"unknown accelerator kind {v!r}; known kinds: {', '.join(CATALOGUE)}")
-        return v
+        return known_kind(v)
 
     @field_validator("weight_precision", "kv_precision")
     @classmethod
@@ -292,13 +290,8 @@ class PoolConfig(BaseModel):
 
     def numerics(self) -> SamplerNumerics:
         """The pool's :class:`SamplerNumerics` (profile with this pool's overrides applied)."""
-        price_field = "spot_price_per_hour_usd" if self.price == "spot" else "price_per_hour_usd"
-        overrides = {k: v for k, v in ((price_field, self.price_per_hour_usd),
-                                       ("relative_throughput", self.relative_throughput)) if v is not None}
-        profile = get_profile(self.accelerator, **overrides)
-        return SamplerNumerics(profile=profile, weight_format=self.weight_precision or profile.default_weight_format,
-                               kv_format=self.kv_precision or profile.default_kv_format,
-                               activation_format=self.activation_precision)
+        return pool_numerics(self.accelerator, self.weight_precision, self.kv_precision, self.activation_precision,
+                             self.price, self.price_per_hour_usd, self.relative_throughput)
 
 
 class RestartPolicy(BaseModel):

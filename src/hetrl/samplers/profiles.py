@@ -67,7 +67,9 @@ __all__ = [
     "CATALOGUE",
     "REFERENCE_KIND",
     "get_profile",
+    "known_kind",
     "sampler_numerics",
+    "pool_numerics",
     "served_activation_format",
     "WEIGHT_FORMAT_SPEEDUP",
 ]
@@ -182,11 +184,17 @@ CATALOGUE: dict[str, AcceleratorProfile] = {
 """Every known profile by kind."""
 
 
+def known_kind(kind: str) -> str:
+    """``kind`` if it is in :data:`CATALOGUE`; else ValueError naming the known kinds."""
+    if kind not in CATALOGUE:
+        raise ValueError(f"unknown accelerator kind {kind!r}; known kinds: {', '.join(CATALOGUE)}")
+    return kind
+
+
 def get_profile(kind: str, **overrides: Any) -> AcceleratorProfile:
     """The catalogue profile ``kind`` with fields replaced by ``overrides`` (re-validated), e.g.
     ``get_profile("h100", price_per_hour_usd=2.49)``."""
-    if kind not in CATALOGUE:
-        raise ValueError(f"unknown accelerator kind {kind!r}; known kinds: {', '.join(CATALOGUE)}")
+    known_kind(kind)
     if not overrides:
         return CATALOGUE[kind]
     return AcceleratorProfile.model_validate({**CATALOGUE[kind].model_dump(), **overrides})
@@ -289,3 +297,15 @@ def sampler_numerics(kind: str, weight_format: str | None = None, kv_format: str
     profile = get_profile(kind, **profile_overrides)
     return SamplerNumerics(profile=profile, weight_format=weight_format or profile.default_weight_format,
                            kv_format=kv_format or profile.default_kv_format, activation_format=activation_format)
+
+
+def pool_numerics(kind: str, weight_format: str | None, kv_format: str | None, activation_format: str | None,
+                  price: PriceMode = "on_demand", price_per_hour_usd: float | None = None,
+                  relative_throughput: float | None = None) -> SamplerNumerics:
+    """A pool's :func:`sampler_numerics`, with its overrides applied to the profile:
+    ``price_per_hour_usd`` replaces the price of the pool's ``price`` mode (on-demand or spot),
+    ``relative_throughput`` the per-accelerator throughput; None keeps the catalogue's."""
+    price_field = "spot_price_per_hour_usd" if price == "spot" else "price_per_hour_usd"
+    overrides = {k: v for k, v in ((price_field, price_per_hour_usd), ("relative_throughput", relative_throughput))
+                 if v is not None}
+    return sampler_numerics(kind, weight_format, kv_format, activation_format, **overrides)
