@@ -136,7 +136,7 @@ def test_ray_sampler_abort_reaches_the_running_call(tmp_path):
     from hetrl.core.schema import SamplingParams
     from hetrl.models.tiny import TINY_QWEN3, build_tiny_checkpoint
     from hetrl.orchestrator.loop import build_embedded_sampler
-    from hetrl.orchestrator.ray_backend import HostActor, RaySampler, SharedWeights
+    from hetrl.orchestrator.ray_backend import HostActor, RaySampler
     from hetrl.samplers.base import GenerationRequest, abort, can_abort
     from hetrl.samplers.profiles import sampler_numerics
 
@@ -146,8 +146,7 @@ def test_ray_sampler_abort_reaches_the_running_call(tmp_path):
     temp = tempfile.mkdtemp(prefix="hetrl-ray-", dir="/tmp")
     ray.init(num_cpus=1, _temp_dir=temp, include_dashboard=False)
     try:
-        sampler = RaySampler(HostActor.remote(build_embedded_sampler, model, sampler_numerics("fp32"), pool="p", seed=0),
-                             SharedWeights())
+        sampler = RaySampler(HostActor.remote(build_embedded_sampler, model, sampler_numerics("fp32"), pool="p", seed=0))
         assert can_abort(sampler)
         n = 512
         reqs = [GenerationRequest("a/0", np.array([5, 6, 7], np.int32), SamplingParams(top_k=20), n)]
