@@ -153,6 +153,22 @@ def test_shared_disk_transport_exports_each_version_once(tmp_path):
     assert list(published.builds.values()) == [1]
 
 
+def test_shared_disk_transport_keeps_only_the_newest_exports(tmp_path):
+    """Versions are exported at publication whether or not a server replica is alive to load
+    them (a dead pool loads nothing), so the export itself keeps the directory to the newest few."""
+    from hetrl.samplers.sglang import KEEP_EXPORTS
+
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text(TINY_QWEN3.model_dump_json())
+    transport = SharedDiskTransport(TINY_QWEN3, tmp_path / "weights", base)
+    versions = range(1, KEEP_EXPORTS + 3)
+    for version in versions:
+        transport.stage(WeightSet(version, _weights(version)))
+    kept = sorted(int(d.name[1:]) for d in (tmp_path / "weights").glob("v[0-9]*"))
+    assert kept == list(versions)[-KEEP_EXPORTS:]
+
+
 @pytest.mark.slow
 def test_ray_transport_puts_once_and_each_actor_fetches_by_reference():
     ray = pytest.importorskip("ray")

@@ -202,7 +202,6 @@ class ServerSampler:
         with self._lock:
             self._version, self._source = int(version), directory
         self._sync(self.endpoints)
-        prune_exports(self.weights_dir, keep=KEEP_EXPORTS)
 
     def health(self) -> SamplerHealth:
         """Healthy while some endpoint answers ``/health`` and holds the current version; an
@@ -477,10 +476,14 @@ def disk_export(version: int, weights: Mapping[str, np.ndarray], config: ModelCo
                 weights_dir: str | pathlib.Path, model_dir: str | pathlib.Path) -> pathlib.Path:
     """The export of ``weights`` (validated against ``config``) as ``version`` under
     ``weights_dir`` (:func:`hetrl.samplers.weight_export.export_weights`, with ``model_dir``'s
-    non-weight files); for a :class:`WeightSet`, staged once per set and directory."""
+    non-weight files); for a :class:`WeightSet`, staged once per set and directory. Only the
+    newest :data:`KEEP_EXPORTS` versions stay there (replicas load only the newest, and a version
+    is exported whether or not a replica is alive to load it)."""
     def export(ws: Mapping[str, np.ndarray]) -> pathlib.Path:
         check_state_dict(config, ws)
-        return export_weights(weights_dir, version, ws, model_dir)
+        directory = export_weights(weights_dir, version, ws, model_dir)
+        prune_exports(weights_dir, keep=KEEP_EXPORTS)
+        return directory
 
     if isinstance(weights, WeightSet):
         return weights.staged(("disk", pathlib.Path(weights_dir).resolve()), export)
