@@ -44,10 +44,9 @@ class Recording(Slow):
         return out
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("abort-run")
-    cfg = load_config("tiny_mixed.yaml", [
+def abort_run_config(out):
+    """The tiny abort run both fixtures train: two pools, two-turn episodes, no evaluation."""
+    return load_config("tiny_mixed.yaml", [
         f"output_dir={out}",
         "steps=3", *TINY_BATCH,
         f"async.max_staleness={MAX_STALENESS}", "async.weight_update=abort",
@@ -55,6 +54,12 @@ def run(tmp_path_factory):
         " {name: slow, accelerator: a100, weight_precision: bf16}]",
         "environment.options={eval: {every: 0}, coding: {max_turns: 2}}",
     ])
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("abort-run")
+    cfg = abort_run_config(out)
     holder: dict = {}
     recorders: list[Recording] = []
 
@@ -146,14 +151,7 @@ def _first_span(support):
 @pytest.fixture(scope="module")
 def held_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("abort-held-run")
-    cfg = load_config("tiny_mixed.yaml", [
-        f"output_dir={out}",
-        "steps=3", *TINY_BATCH,
-        f"async.max_staleness={MAX_STALENESS}", "async.weight_update=abort",
-        "fleet.pools=[{name: fast, accelerator: h100, weight_precision: fp8_e4m3},"
-        " {name: slow, accelerator: a100, weight_precision: bf16}]",
-        "environment.options={eval: {every: 0}, coding: {max_turns: 2}}",
-    ])
+    cfg = abort_run_config(out)
     held: list[HeldUntilAbort] = []
 
     def wrap(pool, index, sampler):
