@@ -286,18 +286,25 @@ def main(argv: list[str] | None = None) -> int:
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), host=platform.node(),
                 machine=platform.machine(), cores=os.cpu_count(), quick=args.quick, repeats=repeats,
                 load_average_1_5_15min=dict(before=os.getloadavg()))
+
+    def stage(name, fn) -> bool:
+        """Runs one stage and rewrites gpu_check.json, so a run cut short keeps the stages it finished."""
+        passed = run_stage(name, fn, results, console)
+        meta["load_average_1_5_15min"]["after"] = os.getloadavg()
+        (out / "gpu_check.json").write_text(json.dumps(dict(meta=meta, ok=all(r["ok"] for r in results.values()),
+                                                            stages=results), indent=1, default=str))
+        return passed
+
     with tempfile.TemporaryDirectory(prefix="hetrl-gpu-check-") as tmp, Progress(console=console) as progress:
         work = pathlib.Path(tmp)
-        if run_stage("devices", lambda: devices(require_gpu=not args.quick), results, console):
+        if stage("devices", lambda: devices(require_gpu=not args.quick)):
             on_gpu = results["devices"]["cuda_available"] and results["devices"]["jax_backend"] == "gpu"
             checkpoint = build_tiny_checkpoint(work / "step", step_size.model, seed=0, init_std=0.02)
-            run_stage("steps", lambda: steps(checkpoint, step_size, repeats, on_gpu, progress), results, console)
-            run_stage("hf_round_trip", lambda: hf_round_trip(work), results, console)
-            run_stage("sampler", lambda: sampler(checkpoint, sampler_size), results, console)
-            run_stage("parity", lambda: parity(out), results, console)
-    meta["load_average_1_5_15min"]["after"] = os.getloadavg()
+            stage("steps", lambda: steps(checkpoint, step_size, repeats, on_gpu, progress))
+            stage("hf_round_trip", lambda: hf_round_trip(work))
+            stage("sampler", lambda: sampler(checkpoint, sampler_size))
+            stage("parity", lambda: parity(out))
     ok = all(r["ok"] for r in results.values())
-    (out / "gpu_check.json").write_text(json.dumps(dict(meta=meta, ok=ok, stages=results), indent=1, default=str))
     step = results.get("steps", {})
     if step.get("ok"):
         trainer_step.plot(step["trainers"], {"bf16": step["peak_bf16_flops"]}, step_size, step["positions"],

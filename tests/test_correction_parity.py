@@ -153,3 +153,25 @@ def test_token_logprobs_are_the_loss_logprobs_in_every_namespace(backend, replay
         assert replay == bool(np.abs(got - plain)[replayed_rows].max() > 1e-6), seed  # replay changes kept rows only
         np.testing.assert_allclose(got[~batch.support_kept][mask[~batch.support_kept]],
                                    plain[~batch.support_kept][mask[~batch.support_kept]], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", ["hetrl", "ppo_clip", "hetrl_sequence_mean"])
+def test_torch_functions_allocate_on_their_inputs_device(name):
+    """Every core function a trainer calls keeps to its inputs' device: on torch ``meta`` tensors
+    (shapes only) any intermediate allocated on the default device (the CPU) raises, as it would
+    beside CUDA tensors (the GPU check caught ``grpo_advantages`` doing so)."""
+    batch, logits, _ = random_batch(np.random.default_rng(3))
+    meta = lambda a: torch.as_tensor(np.asarray(a)).to("meta")  # noqa: E731
+    arrays = {field: meta(getattr(batch, field)) for field in LOSS_FIELDS}
+    config = CONFIGS[name]
+    advantages = grpo_advantages(meta(batch.reward.astype(np.float32)), meta(batch.group_index.astype(np.int64)),
+                                 batch.num_groups, normalize_std=True)
+    old = meta(np.zeros(batch.loss_mask.shape, np.float32)) if config.ppo_clip is not None else None
+    inputs = loss_inputs(meta(logits.astype(np.float32)).requires_grad_(), arrays, advantages, old)
+    loss, stats = policy_loss(inputs, config)
+    loss.backward()
+    metrics = mismatch_metrics(stats, arrays["loss_mask"], meta(batch.pool_index), batch.pool_names,
+                               meta(batch.policy_version), 3, config.log_ratio_clamp)
+    tensors = [advantages, loss, token_entropy(inputs.logits, arrays["temperature"]),
+               token_logprobs(inputs.logits, arrays, replay=True), *metrics.values()]
+    assert all(t.device.type == "meta" for t in tensors if isinstance(t, torch.Tensor))

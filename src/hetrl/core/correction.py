@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from hetrl.core.xp import (
     Array,
+    device,
     log_softmax,
     logsumexp,
     masked_max,
@@ -262,7 +263,7 @@ def grpo_advantages(
     rewards are all equal gets A = 0: it carries no signal.
     """
     xp = namespace(rewards)
-    onehot = xp.astype(group_index[:, None] == xp.arange(num_groups)[None, :], rewards.dtype)  # [B, G]
+    onehot = xp.astype(group_index[:, None] == xp.arange(num_groups, device=device(group_index))[None, :], rewards.dtype)  # [B, G]
     count = xp.sum(onehot, axis=0)
     mean = xp.sum(onehot * rewards[:, None], axis=0) / xp.maximum(count, xp.ones_like(count))
     centered = rewards - xp.sum(onehot * mean[None, :], axis=1)

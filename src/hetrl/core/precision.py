@@ -80,7 +80,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from hetrl.core.xp import Array, backend_name, namespace
+from hetrl.core.xp import Array, backend_name, device, namespace
 
 __all__ = ["FORMATS", "ACTIVATION_FORMATS", "QuantizedTensor", "quantize", "dequantize", "quantize_dequantize",
            "quantize_activations"]
@@ -306,7 +306,7 @@ def _amax(xp: Any, g: Array, axes: tuple[int, ...]) -> Array:
     """
     axes = tuple(a % g.ndim for a in axes)
     if any(g.shape[a] == 0 for a in axes):
-        return xp.zeros(tuple(1 if i in axes else n for i, n in enumerate(g.shape)), dtype=g.dtype)
+        return xp.zeros(tuple(1 if i in axes else n for i, n in enumerate(g.shape)), dtype=g.dtype, device=device(g))
     amax = xp.max(xp.abs(g), axis=axes, keepdims=True)
     return xp.where(xp.any(xp.isnan(g), axis=axes, keepdims=True), xp.nan, amax)
 
@@ -321,7 +321,7 @@ def _to_blocks(xp: Any, v: Array, block: tuple[int | None, ...]) -> Array:
         pad = -n % b
         if pad:
             axis = len(lead) + i
-            zeros = xp.zeros(tuple(v.shape[:axis]) + (pad,) + tuple(v.shape[axis + 1 :]), dtype=v.dtype)
+            zeros = xp.zeros(tuple(v.shape[:axis]) + (pad,) + tuple(v.shape[axis + 1 :]), dtype=v.dtype, device=device(v))
             v = xp.concat([v, zeros], axis=axis)
         split += [(n + pad) // b, b]
     return xp.reshape(v, lead + tuple(split))

@@ -30,6 +30,7 @@ Array = Any
 __all__ = [
     "Array",
     "namespace",
+    "device",
     "backend_name",
     "stop_gradient",
     "logsumexp",
@@ -52,6 +53,13 @@ def namespace(*arrays: Array) -> Any:
     if not found:
         raise TypeError("namespace() needs at least one array argument")
     return array_api_compat.array_namespace(*found)
+
+
+def device(x: Array) -> Any:
+    """The device ``x`` lives on, to pass as ``device=`` to the namespace's creation functions
+    (``arange``, ``zeros``, ...), which otherwise allocate on the default device (torch: the CPU,
+    whatever device the inputs are on). ``None`` for a traced jax array, where jax places it."""
+    return array_api_compat.device(x)
 
 
 def backend_name(x: Array) -> str:
