@@ -290,6 +290,15 @@ class RunConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _lockstep_autopilot(self) -> "RunConfig":
+        if (self.async_.schedule == "lockstep" and self.fleet.routing == "autopilot"
+                and self.fleet.cost_clock != "modelled"):
+            raise ValueError("fleet.routing 'autopilot' under async.schedule 'lockstep' needs fleet.cost_clock "
+                             "'modelled': the autopilot reads each pool's throughput from its busy time, which on "
+                             "the wall clock differs run to run, and lockstep runs must repeat exactly")
+        return self
+
+    @model_validator(mode="after")
     def _server_supports_exact(self) -> "RunConfig":
         """Server pools that rebuild kept sets from a log-prob head: ``async.sampling`` must fit it."""
         from hetrl.samplers.head_support import HeadSupportError, check_head_params

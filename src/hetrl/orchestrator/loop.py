@@ -33,6 +33,8 @@ Threads of the driver:
 **Replicas** are looked after by one :class:`hetrl.orchestrator.supervisor.ReplicaSupervisor`:
 health probes (when due, not before every call), restarts, quarantine (the admission gate's
 record, re-applied to the fleet on resume) and aborts; the fleet only routes and serves.
+Under ``fleet.routing: autopilot`` each step's per-pool records also set the fleet's routing
+shares (:mod:`hetrl.orchestrator.routing`), its decisions in the step's metrics.
 
 **Weight updates** (``async.weight_update``). ``between_requests``: replicas load new weights
 between generate calls; a call in flight, and the later turns of its groups, finish on the
@@ -135,6 +137,7 @@ from hetrl.orchestrator.preflight import check_runnable
 from hetrl.orchestrator.recorder import StepRecorder
 from hetrl.orchestrator.report import RunConsole, write_plots
 from hetrl.orchestrator.run_folder import RunFolder, write_atomic
+from hetrl.orchestrator.routing import make_router
 from hetrl.orchestrator.schedule import Driver, Schedule, make_schedule
 from hetrl.orchestrator.supervisor import ReplicaSupervisor
 from hetrl.orchestrator.tasks import TaskSource
@@ -590,6 +593,7 @@ class AsyncOrchestrator(abc.ABC):
             self.fleet, self.gate, cfg.fleet.restart, self._rebuild_sampler,
             start_thread=lambda target, replica, name: self._start_thread(target, replica, name=name),
             on_revived=self.schedule.revived, on_error=self._record_error)
+        self.router = make_router(self.fleet, cfg.fleet.routing, cfg.fleet.autopilot)
         if self._resume_state is not None:
             self._restore_loop_state(self._resume_state)
         self._rollout_versions: dict[str, list[int]] = {}
@@ -646,6 +650,8 @@ class AsyncOrchestrator(abc.ABC):
                         self.trainer.version, trained_at=version, groups=groups, batch=batch, metrics=metrics,
                         wait_s=wait_s, step_s=step_s,
                         counts={**self._counts, "retracted": len(self.ledger.closed["retracted"])})
+                    if self.router is not None:
+                        record.scalars.update(self.router.step(record.pools))
                     if eval_every and (self.trainer.version % eval_every == 0 or self.trainer.version == cfg.steps):
                         record.scalars.update(self._evaluate(weights))
                     if self.trainer.save(force=False):
@@ -693,7 +699,8 @@ class AsyncOrchestrator(abc.ABC):
     def _snapshot_state(self, weights: Mapping[str, np.ndarray] | None = None) -> None:
         """Beside the trainer's checkpoint at its version: the buffer (``buffer-<v>.json``) and the
         loop's own state (``loop-<v>.json``: data order, next group id, the tasks of groups in
-        flight, counters, the fleet's cumulative counters and the admission gate's record),
+        flight, counters, the fleet's cumulative counters, the admission gate's record and the
+        autopilot's state),
         taken together under the lock; and the policy as an HF checkpoint ``hf/step-<v>``
         (``weights``: the trainer's export at this version, if the caller has it)."""
         v = self.trainer.version
@@ -704,6 +711,7 @@ class AsyncOrchestrator(abc.ABC):
                 "version": v, "next_gid": self._next_gid, **self.tasks.state(),
                 "in_flight_tasks": [g.task.task_id for g in self.ledger.in_flight()], "counts": dict(self._counts),
                 "fleet": self.fleet.counters_state(), "admission": self.supervisor.state(), "chaos": self.chaos_ledger.state(),
+                "routing": self.router.state() if self.router is not None else {},
             }
         write_atomic(self.checkpoint_dir / f"buffer-{v}.json", json.dumps(buffer))
         write_atomic(self.checkpoint_dir / f"loop-{v}.json", json.dumps(loop))
@@ -720,6 +728,8 @@ class AsyncOrchestrator(abc.ABC):
         self.chaos_ledger.restore(state.get("chaos", {}))
         self.fleet.restore_counters(state["fleet"])
         self.supervisor.restore(state["admission"])
+        if self.router is not None:
+            self.router.restore(state.get("routing", {}))
 
     def _prune_snapshots(self, keep_steps: list[int]) -> None:
         for pattern in ("buffer-*.json", "loop-*.json"):

@@ -3,7 +3,8 @@
 * :class:`AsyncSchedule` (``async``): one rollout worker thread per replica serves whatever the
   fleet routes to it, continuously, while the trainer steps; groups go wherever routing sends them.
 * :class:`LockstepSchedule` (``lockstep``): no worker threads. Group ``i`` is pinned to alive
-  replica ``i mod n`` (fleet order), and before each batch is taken the trainer's thread serves
+  replica ``i mod n`` (fleet order; under the autopilot's shares, to a replica drawn by a
+  deterministic low-discrepancy sequence, :meth:`LockstepSchedule.pin`), and before each batch is taken the trainer's thread serves
   the replicas one by one, each reseeded from (seed, trainer version, replica) first, playing
   every group to its end (:meth:`LockstepSchedule.before_take`). So the step's groups, their
   samples and their order are a function of the run's state alone, and a resumed run repeats
@@ -25,6 +26,8 @@ from hetrl.samplers.base import reseed
 from hetrl.samplers.fleet import Fleet, JobResult, Replica
 
 __all__ = ["Driver", "Schedule", "AsyncSchedule", "LockstepSchedule", "make_schedule"]
+
+_GOLDEN = (5 ** 0.5 - 1) / 2
 
 
 @dataclass(frozen=True)
@@ -103,8 +106,23 @@ class LockstepSchedule(Schedule):
         """Served in the next round like every alive replica."""
 
     def pin(self, index: int) -> str | None:
-        alive = [r.key for r in self.fleet.replicas if r.alive]
-        return alive[index % len(alive)] if alive else None
+        """Alive replica ``index mod n`` (fleet order); under routing shares
+        (:meth:`Fleet.set_shares`), the replica whose interval of the cumulative routing
+        capacities holds ``frac((index + 1/2) x golden ratio)``: a deterministic sequence in which
+        each replica's fraction of groups tends to its share."""
+        if self.fleet.shares is None:
+            alive = [r.key for r in self.fleet.replicas if r.alive]
+            return alive[index % len(alive)] if alive else None
+        capacity = self.fleet.routing_capacity()
+        keys = [r.key for r in self.fleet.replicas if capacity.get(r.key, 0.0) > 0]
+        if not keys:
+            return None
+        u = ((index + 0.5) * _GOLDEN) % 1.0 * sum(capacity[k] for k in keys)
+        for key in keys:
+            u -= capacity[key]
+            if u < 0:
+                return key
+        return keys[-1]
 
     def before_take(self, trainer_version: int) -> None:
         """Submit what the step still needs, then, replica by replica in fleet order, reseed it

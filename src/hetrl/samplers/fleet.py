@@ -20,6 +20,11 @@ never more than it can finish in about the time a fast one finishes a full batch
 the staleness of its rollouts bounded, and it is never starved: it receives a job whenever it
 has a free slot.
 
+**Shares** (``routing: autopilot``): :meth:`Fleet.set_shares` gives each pool a target share of
+the requests (summing to 1); a replica's ``capacity`` in the load above is then its pool's share
+/ the pool's alive replicas, and a pool of share 0 gets no jobs (pinned ones included: they are
+routed like any other) unless no alive replica has a share (then capacity routing applies). The slots stay those of speed, so the staleness bound above holds.
+
 **Serving.** Each replica's worker (a thread of the orchestrator, or :meth:`Fleet.generate`)
 calls :meth:`Fleet.serve_once`: load the newest published weights if the replica's are older
 (weights change only between calls, so weight versions are monotone per replica and per pool),
@@ -81,6 +86,7 @@ import numpy as np
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from hetrl.core.admission import QuarantineConfig
+from hetrl.samplers.autopilot import AutopilotConfig
 from hetrl.samplers.base import Generation, GenerationRequest, Sampler, SamplerHealth
 from hetrl.samplers.faults import ChaosConfig
 from hetrl.samplers.pacing import Paced, ReferenceRate
@@ -324,6 +330,11 @@ class FleetConfig(BaseModel):
     replica's calls are slowed to its modelled decode rate relative to the fastest pool, which
     runs at CPU speed: :mod:`hetrl.samplers.pacing`).
 
+    ``routing``: ``capacity`` (the rule above) or ``autopilot`` (the same rule, with each pool's
+    share of requests set every step by :class:`hetrl.samplers.autopilot.Autopilot` from the
+    pools' cost per useful trained token within the budgets ``autopilot``; the orchestrator
+    feeds it: :mod:`hetrl.orchestrator.routing`).
+
     ``quarantine``: when a pool returning too many rejected rollouts is taken out of routing.
     ``restart``: whether and when a dead replica is built again (:class:`RestartPolicy`).
     ``chaos``: random faults injected into every replica, for soak runs and drills
@@ -337,6 +348,8 @@ class FleetConfig(BaseModel):
     pacing: Literal["off", "modelled"] = "off"
     reference_tokens_per_s: float = Field(1000.0, gt=0.0, allow_inf_nan=False,
                                           description="decode tokens/s of one H100-bf16 replica (modelled clock)")
+    routing: Literal["capacity", "autopilot"] = "capacity"
+    autopilot: AutopilotConfig = AutopilotConfig()
     quarantine: QuarantineConfig = QuarantineConfig()
     restart: RestartPolicy = RestartPolicy()
     chaos: ChaosConfig | None = None
@@ -410,9 +423,11 @@ class Replica:
 class PoolFigures:
     """One pool's cumulative figures (:meth:`Fleet.pool_figures`): completed ``requests``,
     generated ``tokens``, its ``replicas`` and how many are alive, each replica's loaded weight
-    version (None: none loaded yet), ``cost_usd``, whether it is ``quarantined``, and the
+    version (None: none loaded yet), ``cost_usd``, whether it is ``quarantined``, the
     token-weighted run averages of its mismatch metrics (maxima for ``*_max``; empty before any
-    of its tokens was trained on)."""
+    of its tokens was trained on), its summed ``busy_s`` and ``price_per_hour_usd`` (one
+    replica: accelerator price x accelerators per replica) and ``capacity`` (one replica's
+    relative throughput)."""
 
     requests: int
     tokens: int
@@ -422,6 +437,9 @@ class PoolFigures:
     cost_usd: float
     quarantined: bool
     mismatch_avg: Mapping[str, float]
+    busy_s: float
+    price_per_hour_usd: float
+    capacity: float
 
 
 @dataclass
@@ -474,6 +492,7 @@ class Fleet:
         self._closed = False
         self._epoch = 0  # bumped by _wake_all: waiting serve_once calls return
         self.quarantined: dict[str, str] = {}  # pool -> reason
+        self.shares: dict[str, float] | None = None  # pool -> routing share (None: capacity routing)
         self._rent_start, self._rent_end = time.monotonic(), None  # the rented-time clock
         self._rent_before: dict[str, float] = {}  # replica key -> rented seconds before a resume
         self.health_probe: Callable[[Replica], SamplerHealth | None] = lambda r: r.sampler.health()
@@ -561,6 +580,19 @@ class Fleet:
             self._cond.notify_all()
         log.warning("replica %s restarted (restart %d)", r.key, r.restarts)
         return True
+
+    def set_shares(self, shares: Mapping[str, float] | None) -> None:
+        """Route by ``shares`` (pool -> target fraction of requests, >= 0, summing to 1 over the
+        pools that get any; pools not named get 0), or by capacity again (None); see the module
+        docstring. Jobs already assigned stay where they are."""
+        if shares is not None:
+            unknown = sorted(set(shares) - set(self.pools))
+            if unknown or any(not (v >= 0 and math.isfinite(v)) for v in shares.values()):
+                raise ValueError(f"shares must be finite and >= 0 over the fleet's pools (unknown: {unknown})")
+            shares = {p: float(shares.get(p, 0.0)) for p in self.pools}
+        with self._cond:
+            self.shares = shares
+            self._dispatch_locked()
 
     def close(self) -> None:
         """Stop: refuse new jobs and wake every waiting :meth:`serve_once` (which returns [])."""
@@ -712,7 +744,10 @@ class Fleet:
                 out[name] = PoolFigures(requests=s.requests, tokens=s.tokens, replicas=len(reps),
                                         replicas_alive=sum(r.alive for r in reps),
                                         weight_versions=tuple(r.weight_version for r in reps), cost_usd=costs[name],
-                                        quarantined=name in self.quarantined, mismatch_avg=avg)
+                                        quarantined=name in self.quarantined, mismatch_avg=avg,
+                                        busy_s=sum(r.busy_s for r in reps),
+                                        price_per_hour_usd=self._price_per_second(name) * 3600.0,
+                                        capacity=self.numerics[name].relative_throughput())
             return out
 
     def _price_per_second(self, pool: str) -> float:
@@ -819,18 +854,38 @@ class Fleet:
         while self._queue:
             job = self._queue[0]
             pinned = self._by_key.get(job.pinned) if job.pinned else None
-            if pinned is not None and pinned.alive:
+            if pinned is not None and pinned.alive and (self.shares is None or self.shares[pinned.pool.name] > 0):
                 pinned.assigned.append(self._queue.popleft())
                 self._cond.notify_all()
                 continue
             job.pinned = None  # its replica is gone: route it like any other
             n = len(job.requests)
-            candidates = [r for r in self.replicas if r.alive and (r.load + n <= r.slots or r.load == 0)]
+            capacity = self.routing_capacity()
+            candidates = [r for r in self.replicas if capacity.get(r.key, 0.0) > 0
+                          and (r.load + n <= r.slots or r.load == 0)]
             if not candidates:
                 return
-            target = min(candidates, key=lambda r: ((r.load + n) / r.capacity, -r.capacity))
+            target = min(candidates, key=lambda r: ((r.load + n) / capacity[r.key], -r.capacity))
             target.assigned.append(self._queue.popleft())
             self._cond.notify_all()
+
+
+    def routing_capacity(self) -> dict[str, float]:
+        """Each alive replica's capacity in the routing rule (by key): its relative throughput,
+        or under shares its pool's share / the pool's alive replicas (relative throughput again
+        when no alive replica has a share, e.g. the pools with shares died since they were set)."""
+        with self._cond:
+            alive = [r for r in self.replicas if r.alive]
+            shares = self.shares
+        if shares is None:
+            return {r.key: r.capacity for r in alive}
+        count: dict[str, int] = {}
+        for r in alive:
+            count[r.pool.name] = count.get(r.pool.name, 0) + 1
+        routed = {r.key: shares[r.pool.name] / count[r.pool.name] for r in alive}
+        if not any(v > 0 for v in routed.values()):  # the shared pools died meanwhile: never stall
+            return {r.key: r.capacity for r in alive}
+        return routed
 
 
 def _per(cost: float, tokens: float) -> float:
