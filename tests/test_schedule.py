@@ -24,6 +24,8 @@ def _replica(key, jobs=(), alive=True):
 
 
 class _Fleet:
+    shares = None  # capacity routing (the autopilot's shares: test_autopilot.py)
+
     def __init__(self, *replicas):
         self.replicas = list(replicas)
 

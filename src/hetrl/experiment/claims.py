@@ -144,14 +144,15 @@ def claim_cost(e3: CostAnalysis | None, values: ArmValues) -> Claim:
     if e3 is None:
         return Claim(2, CLAIM_TEXTS[2], "E3", ())
     score = welch_interval(column(values, e3.corrected, "heldout_end"), column(values, e3.homogeneous, "heldout_end"))
-    cost = bootstrap_ratio(column(values, e3.corrected, "usd_per_mtok"), column(values, e3.homogeneous, "usd_per_mtok"))
+    m = e3.measure
+    cost = bootstrap_ratio(column(values, e3.corrected, m), column(values, e3.homogeneous, m))
     return Claim(2, CLAIM_TEXTS[2], "E3", (
         Finding(f"final held-out success `{e3.corrected}` − `{e3.homogeneous}` >= −{e3.score_margin:g}",
                 f"{score.format('+.3f')} (Welch; {_src(e3.corrected, 'heldout_end')} minus "
                 f"{_src(e3.homogeneous, 'heldout_end')})", not_worse_verdict(score, e3.score_margin)),
         Finding(f"cost per trained token ratio `{e3.corrected}` / `{e3.homogeneous}` = {e3.claimed_cost_ratio:g}",
-                f"{cost.format('.3f')} (ratio of {_src(e3.corrected, 'usd_per_mtok')} over "
-                f"{_src(e3.homogeneous, 'usd_per_mtok')})", ratio_verdict(cost, e3.claimed_cost_ratio)),
+                f"{cost.format('.3f')} (ratio of {_src(e3.corrected, m)} over "
+                f"{_src(e3.homogeneous, m)})", ratio_verdict(cost, e3.claimed_cost_ratio)),
     ))
 
 

@@ -29,6 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jobs", type=int, default=None,
                         help="runs trained at the same time (default: one per CPU core, fewer if memory is short)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="validate every run's config, list the runs and exit (train nothing)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -44,6 +46,12 @@ def run(args: argparse.Namespace) -> int:
             config, source = load_experiment(args.config, quick=args.quick)
             plan = build_plan(config, source)
             out = pathlib.Path(args.out or f"runs/experiments/{config.name}{'-quick' if args.quick else ''}")
+            if args.dry_run:
+                print(f"hetrl experiment {config.name}: {len(plan.runs)} runs of {len(plan.arms)} arms, every config "
+                      f"valid (dry run: nothing trained; output would go to {out})")
+                for spec in plan.runs:
+                    print(f"  {spec.key}: hetrl train {spec.base.name} {shlex.join(spec.overrides)} ({spec.steps} steps)")
+                return 0
             jobs = default_jobs() if args.jobs is None else args.jobs
             print(f"hetrl experiment {config.name}: {len(plan.runs)} runs of {len(plan.arms)} arms, {jobs} at a time "
                   f"-> {out}")

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import pathlib
 import re
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -140,12 +140,23 @@ class StabilityAnalysis(_Analysis):
 class CostAnalysis(_Analysis):
     """E3: cost per trained token of every arm; the public claim: the ``corrected`` mixed arm
     reaches the ``homogeneous`` arm's final score (no worse than ``score_margin``, a success-rate
-    difference) at ``claimed_cost_ratio`` times its cost per trained token."""
+    difference) at ``claimed_cost_ratio`` times its cost per trained token. ``clock``: the cost
+    compared, ``busy`` (the fleet's busy-time cost, ``usd_per_mtok``) or ``rented`` (every
+    replica's rented wall time, idle included, ``rented_usd_per_mtok``: paced fleets, E5)."""
 
     corrected: str
     homogeneous: str
     claimed_cost_ratio: float = Field(0.85, gt=0.0)
     score_margin: float = Field(0.02, ge=0.0, le=1.0)
+    clock: Literal["busy", "rented"] = "busy"
+
+    def references(self) -> dict[str, str]:
+        return {"corrected": self.corrected, "homogeneous": self.homogeneous}
+
+    @property
+    def measure(self) -> str:
+        """The per-run cost measure compared (:mod:`hetrl.experiment.measures`)."""
+        return "rented_usd_per_mtok" if self.clock == "rented" else "usd_per_mtok"
 
 
 class PartialAlignmentAnalysis(_Analysis):

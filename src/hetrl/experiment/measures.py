@@ -108,6 +108,9 @@ MEASURES: tuple[Measure, ...] = (
             lambda r, f: _last(r, "fleet/trained_tokens")),
     Measure("usd_per_mtok", "USD / M trained tokens", "10^6 x `fleet/cost/usd_per_trained_token` of the last step",
             ".4f", lambda r, f: 1e6 * _last(r, "fleet/cost/usd_per_trained_token")),
+    Measure("rented_usd_per_mtok", "rented USD / M trained tokens",
+            "10^6 x `fleet/cost/rented_usd_per_trained_token` of the last step (every replica's rented wall time, "
+            "idle included)", ".4f", lambda r, f: 1e6 * _last(r, "fleet/cost/rented_usd_per_trained_token")),
     Measure("usd_per_point", "USD / success point",
             "`fleet/cost/usd` of the last step / (100 x heldout_end): dollars per percentage point of final held-out "
             "success", ".5f", lambda r, f: _per_point(r)),

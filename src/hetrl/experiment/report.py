@@ -161,39 +161,43 @@ def _e2(grid: _Grid, out: pathlib.Path) -> list[str]:
 
 def _e3(grid: _Grid, out: pathlib.Path, claim: Claim) -> list[str]:
     arms = grid.plan.arms
+    e3 = grid.plan.config.analyses.e3
+    m = "usd_per_mtok" if e3 is None else e3.measure
     png = plots.interval_bars(out / "plots" / "e3_cost.png", "E3: cost per million trained tokens (95% CI)",
-                              "USD / M trained tokens", {a: grid.estimate(a, "usd_per_mtok") for a in arms})
-    lines = [SECTIONS[3], "", "Cost of every arm's fleet (the `modelled` cost clock of the base configs: generated "
-             "tokens / modelled throughput x list price, so the figures compare fleets, not this CPU).", "",
-             *_arm_table(grid, arms, ["usd_per_mtok", "usd_per_point", "cost_usd", "trained_tokens", "heldout_end"]),
+                              BY_NAME[m].label, {a: grid.estimate(a, m) for a in arms})
+    clock = ("the rented-time clock: every replica's wall time, idle included, x its price" if m != "usd_per_mtok"
+             else "the `modelled` cost clock of the base configs: generated tokens / modelled throughput x list "
+             "price, so the figures compare fleets, not this CPU")
+    columns = ["usd_per_mtok", "rented_usd_per_mtok"] if m != "usd_per_mtok" else ["usd_per_mtok"]
+    lines = [SECTIONS[3], "", f"Cost of every arm's fleet ({clock}).", "",
+             *_arm_table(grid, arms, [*columns, "usd_per_point", "cost_usd", "trained_tokens", "heldout_end"]),
              *_figure(out, png, "cost per million trained tokens")]
     if claim.findings:
         lines += [f"- {f.statement}: {f.measured}: **{f.verdict}**." for f in claim.findings] + [""]
-    e3 = grid.plan.config.analyses.e3
     if e3 is not None:
-        lines += [_cheapest_match(grid, e3.homogeneous, e3.score_margin), ""]
+        lines += [_cheapest_match(grid, e3.homogeneous, e3.score_margin, m), ""]
     return lines
 
 
-def _cheapest_match(grid: _Grid, homogeneous: str, margin: float) -> str:
-    """The cheapest arm (mean cost per trained token) whose final held-out success is not shown
-    worse than ``homogeneous``'s by more than ``margin`` (Welch interval's upper end >= −margin),
-    with its cost ratio to ``homogeneous``."""
+def _cheapest_match(grid: _Grid, homogeneous: str, margin: float, measure: str = "usd_per_mtok") -> str:
+    """The cheapest arm (mean cost per trained token, ``measure``) whose final held-out success
+    is not shown worse than ``homogeneous``'s by more than ``margin`` (Welch interval's upper end
+    >= −margin), with its cost ratio to ``homogeneous``."""
     base = column(grid.by_arm, homogeneous, "heldout_end")
     matches = []
     for arm in grid.plan.arms:
         diff = welch_interval(column(grid.by_arm, arm, "heldout_end"), base)
         if arm != homogeneous and diff.has_interval and diff.hi >= -margin:
-            matches.append((grid.estimate(arm, "usd_per_mtok").value, arm))
+            matches.append((grid.estimate(arm, measure).value, arm))
     rule = (f"final held-out success not shown worse than `{homogeneous}`'s by more than {margin:g} "
             f"(upper end of the Welch 95% CI of the difference >= −{margin:g})")
     if not matches:
         return f"- Cheapest fleet matching the homogeneous score ({rule}): none qualifies."
     _, arm = min(matches)
-    ratio = bootstrap_ratio(column(grid.by_arm, arm, "usd_per_mtok"), column(grid.by_arm, homogeneous, "usd_per_mtok"))
+    ratio = bootstrap_ratio(column(grid.by_arm, arm, measure), column(grid.by_arm, homogeneous, measure))
     return (f"- Cheapest fleet matching the homogeneous score ({rule}; {len(matches)} of {len(grid.plan.arms) - 1} "
             f"arms qualify): `{arm}`, at {ratio.format('.3f')} times `{homogeneous}`'s cost per trained token "
-            f"(ratio of `usd_per_mtok` means).")
+            f"(ratio of `{measure}` means).")
 
 
 def _e4(grid: _Grid, out: pathlib.Path) -> list[str]:

@@ -19,7 +19,8 @@ dropped / groups returned, over the step); throughput is its generated tokens / 
 ``ess >= min_ess``, ``dropped <= max_dropped_fraction``. **States and hysteresis**:
 
 * ``active`` (0): full weight. A figure over its budget: ``drained``.
-* ``drained`` (2): share 0 for ``cooldown_steps`` steps, then ``probation``.
+* ``drained`` (2): share 0 for ``cooldown_steps`` decisions (the draining one included), then
+  ``probation``.
 * ``probation`` (1): throttled to ``probe_share`` of its weight, so it produces fresh figures
   (its averages restart when it enters probation). Over budget again: ``drained``; once it has
   fresh mismatch figures and every figure is within ``recover`` x its budget (for ``ess``,
@@ -175,7 +176,7 @@ class Autopilot:
             if not r.routable:
                 new = old  # judged again when it is back
             elif old == "drained":
-                new = "probation" if since > c.cooldown_steps else "drained"
+                new = "probation" if since >= c.cooldown_steps else "drained"
             elif ratio[r.pool] > 1.0:
                 new = "drained"
             elif old == "probation" and (ratio[r.pool] > c.recover or "k3" not in figures[r.pool]):
