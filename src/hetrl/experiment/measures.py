@@ -8,7 +8,8 @@ with the largest ``step``. Null (non-finite) values are skipped. A value a run c
 evaluation ran, a zero score) is NaN and counts as missing in every statistic.
 
 :data:`MEASURES` lists every per-run value with its definition; the report prints them with the
-definitions, so each aggregate traces back to a key of a file.
+definitions, so each aggregate traces back to a key of a file; :data:`RENTED` is reported too by
+a grid whose cost analysis compares the rented-time cost.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import numpy as np
 
 from hetrl.experiment.statistics import ols_slope
 
-__all__ = ["Records", "Measure", "MEASURES", "BY_NAME", "load_records", "series", "run_values"]
+__all__ = ["Records", "Measure", "MEASURES", "RENTED", "BY_NAME", "load_records", "series", "run_values"]
 
 Records = list[dict[str, Any]]
 
@@ -108,18 +109,21 @@ MEASURES: tuple[Measure, ...] = (
             lambda r, f: _last(r, "fleet/trained_tokens")),
     Measure("usd_per_mtok", "USD / M trained tokens", "10^6 x `fleet/cost/usd_per_trained_token` of the last step",
             ".4f", lambda r, f: 1e6 * _last(r, "fleet/cost/usd_per_trained_token")),
-    Measure("rented_usd_per_mtok", "rented USD / M trained tokens",
-            "10^6 x `fleet/cost/rented_usd_per_trained_token` of the last step (every replica's rented wall time, "
-            "idle included)", ".4f", lambda r, f: 1e6 * _last(r, "fleet/cost/rented_usd_per_trained_token")),
     Measure("usd_per_point", "USD / success point",
             "`fleet/cost/usd` of the last step / (100 x heldout_end): dollars per percentage point of final held-out "
             "success", ".5f", lambda r, f: _per_point(r)),
 )
 """Every per-run value (module docstring)."""
 
-BY_NAME = {m.name: m for m in MEASURES}
+RENTED = Measure("rented_usd_per_mtok", "rented USD / M trained tokens",
+                 "10^6 x `fleet/cost/rented_usd_per_trained_token` of the last step (every replica's rented wall "
+                 "time, idle included, x its price)", ".4f",
+                 lambda r, f: 1e6 * _last(r, "fleet/cost/rented_usd_per_trained_token"))
+"""The rented-time cost, a value of the grids whose cost analysis compares it (``clock: rented``)."""
+
+BY_NAME = {m.name: m for m in (*MEASURES, RENTED)}
 
 
-def run_values(records: Records, grad_spike_factor: float) -> dict[str, float]:
-    """Every :data:`MEASURES` value of one run."""
-    return {m.name: m.compute(records, grad_spike_factor) for m in MEASURES}
+def run_values(records: Records, grad_spike_factor: float, measures: tuple[Measure, ...] = MEASURES) -> dict[str, float]:
+    """Every value of ``measures`` (default :data:`MEASURES`) of one run."""
+    return {m.name: m.compute(records, grad_spike_factor) for m in measures}

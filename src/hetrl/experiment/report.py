@@ -23,7 +23,7 @@ from typing import Mapping, Sequence
 from hetrl.experiment import plots
 from hetrl.experiment.claims import (AGREES, VERDICT_RULES, Claim, claim_cost, claim_mismatch, claim_partial_alignment,
                                      column)
-from hetrl.experiment.measures import BY_NAME, MEASURES, Records, load_records, run_values
+from hetrl.experiment.measures import BY_NAME, MEASURES, RENTED, Measure, Records, load_records, run_values
 from hetrl.experiment.plan import ExperimentPlan, RunSpec
 from hetrl.experiment.runner import run_directory
 from hetrl.experiment.statistics import BOOTSTRAP_RESAMPLES, LEVEL, Estimate, bootstrap_ratio, t_interval, welch_interval
@@ -57,13 +57,19 @@ class _Grid:
         return t_interval(column(self.by_arm, arm, measure))
 
 
+def _measures(plan: ExperimentPlan) -> tuple[Measure, ...]:
+    """The values the grid reports: :data:`MEASURES`, and :data:`RENTED` when its cost analysis compares it."""
+    e3 = plan.config.analyses.e3
+    return (*MEASURES, RENTED) if e3 is not None and e3.measure == RENTED.name else MEASURES
+
+
 def _load(plan: ExperimentPlan, out: pathlib.Path) -> _Grid:
     files, records, values = {}, {}, {}
     for spec in plan.runs:
         path = run_directory(out, spec) / "metrics.jsonl"
         files[spec.key] = path.relative_to(out).as_posix()
         records[spec.key] = load_records(path)
-        values[spec.key] = run_values(records[spec.key], plan.config.grad_spike_factor)
+        values[spec.key] = run_values(records[spec.key], plan.config.grad_spike_factor, _measures(plan))
     by_arm = {arm: [values[r.key] for r in plan.runs_of(arm)] for arm in plan.arms}
     return _Grid(plan, files, records, values, by_arm)
 
@@ -271,10 +277,11 @@ def _megatron(grid: _Grid, out: pathlib.Path, claim: Claim) -> list[str]:
 
 def _appendices(grid: _Grid) -> list[str]:
     plan = grid.plan
-    per_run = _table(["run", "metrics file", *(m.name for m in MEASURES)],
+    measures = _measures(plan)
+    per_run = _table(["run", "metrics file", *(m.name for m in measures)],
                      [[r.key, f"[{grid.files[r.key]}]({grid.files[r.key]})",
-                       *(m.format(grid.values[r.key][m.name]) for m in MEASURES)] for r in plan.runs])
-    definitions = _table(["value", "heading", "definition"], [[m.name, m.label, m.definition] for m in MEASURES])
+                       *(m.format(grid.values[r.key][m.name]) for m in measures)] for r in plan.runs])
+    definitions = _table(["value", "heading", "definition"], [[m.name, m.label, m.definition] for m in measures])
     first: dict[str, RunSpec] = {}
     for r in plan.runs:
         first.setdefault(r.arm, r)
@@ -297,7 +304,7 @@ def write_report(plan: ExperimentPlan, out: pathlib.Path, *, command: str) -> pa
              *_e2(grid, out), *_e3(grid, out, claims["e3"]), *_e4(grid, out), *_mixture(grid, out),
              *_megatron(grid, out, megatron), *_appendices(grid)]
     (out / MEASURES_FILE).write_text(json.dumps(
-        {"definitions": {m.name: m.definition for m in MEASURES}, "grad_spike_factor": plan.config.grad_spike_factor,
+        {"definitions": {m.name: m.definition for m in _measures(plan)}, "grad_spike_factor": plan.config.grad_spike_factor,
          "runs": {k: {"metrics": grid.files[k], "values": {m: (x if math.isfinite(x) else None) for m, x in v.items()}}
                   for k, v in grid.values.items()}}, indent=2, allow_nan=False), encoding="utf-8")
     path = out / REPORT_FILE
