@@ -220,3 +220,22 @@ def test_a_paced_mixed_fleet_run_records_the_autopilots_decisions(tmp_path, capl
     i, p = drains[0]
     assert rows[i][f"pool/{p}/autopilot/share"] == 0.0 and rows[i][f"pool/{p}/autopilot/k3"] > 1e-12
     assert any(f"pool {p} active -> drained: over budget (k3" in m for m in caplog.messages)
+
+
+# ====================================================================== E5
+def test_the_e5_grid_is_valid_and_compares_the_rented_time_cost(capsys):
+    from hetrl.experiment.claims import claim_cost
+    from hetrl.experiment.config import load_experiment
+
+    assert main(["experiment", "experiment_e5.yaml", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "9 runs of 3 arms, every config valid" in out
+    assert out.count("fleet.pacing=\"modelled\"") == 9 and out.count("fleet.routing=\"autopilot\"") == 3
+    config, _ = load_experiment("experiment_e5.yaml")
+    e3 = config.analyses.e3
+    assert (e3.clock, e3.measure, e3.claimed_cost_ratio) == ("rented", "rented_usd_per_mtok", 0.8)
+    cheap = {"heldout_end": 0.2, "rented_usd_per_mtok": 1.0, "usd_per_mtok": 9.0}
+    dear = {"heldout_end": 0.2, "rented_usd_per_mtok": 2.0, "usd_per_mtok": 1.0}
+    values = {"mixed_autopilot": [cheap, dict(cheap)], "homogeneous": [dear, dict(dear)]}
+    finding = claim_cost(e3, values).findings[1]
+    assert "rented_usd_per_mtok" in finding.measured and "0.500" in finding.measured  # the rented clock's ratio
