@@ -183,6 +183,17 @@ def test_the_fleet_routes_by_shares_and_sends_nothing_to_a_drained_pool():
         fleet.set_shares({"zzz": 1.0})
 
 
+def test_a_small_share_throttles_a_pool_even_when_every_pool_is_busy():
+    fleet = Fleet.from_config(FleetConfig(pools=[pool("a", "b200", "bf16"), pool("b", "b200", "bf16")], max_batch=4),
+                              lambda p, n, i: FakeSampler(p))
+    fleet.set_shares({"a": 0.8, "b": 0.2})  # b's slots: max(1, round(4 x 0.2 / 0.8)) = 1 of its 4
+    for i in range(10):
+        fleet.submit(f"g{i}", requests(f"g{i}"))
+    assert {r.pool.name: r.load for r in fleet.replicas} == {"a": 4, "b": 1}
+    fleet.set_shares(None)  # capacity routing: equal speeds, 4 slots each
+    assert {r.pool.name: r.load for r in fleet.replicas} == {"a": 4, "b": 4}
+
+
 def test_lockstep_pins_follow_the_shares_deterministically():
     fleet = _fleet()
     sched = LockstepSchedule(fleet, Driver(lambda: None, lambda r, j: None, lambda r: None), seed=0)

@@ -23,7 +23,10 @@ has a free slot.
 **Shares** (``routing: autopilot``): :meth:`Fleet.set_shares` gives each pool a target share of
 the requests (summing to 1); a replica's ``capacity`` in the load above is then its pool's share
 / the pool's alive replicas, and a pool of share 0 gets no jobs (pinned ones included: they are
-routed like any other) unless no alive replica has a share (then capacity routing applies). The slots stay those of speed, so the staleness bound above holds.
+routed like any other) unless no alive replica has a share (then capacity routing applies).
+A replica's slots become the fewer of its speed's slots and ``max(1, round(max_batch x its
+routing capacity / the largest))``: a pool of a small share is throttled even when every pool
+is busy, and no pool holds more than its speed allows, so the staleness bound above holds.
 
 **Serving.** Each replica's worker (a thread of the orchestrator, or :meth:`Fleet.generate`)
 calls :meth:`Fleet.serve_once`: load the newest published weights if the replica's are older
@@ -861,8 +864,9 @@ class Fleet:
             job.pinned = None  # its replica is gone: route it like any other
             n = len(job.requests)
             capacity = self.routing_capacity()
+            slots = self._routing_slots(capacity)
             candidates = [r for r in self.replicas if capacity.get(r.key, 0.0) > 0
-                          and (r.load + n <= r.slots or r.load == 0)]
+                          and (r.load + n <= slots[r.key] or r.load == 0)]
             if not candidates:
                 return
             target = min(candidates, key=lambda r: ((r.load + n) / capacity[r.key], -r.capacity))
@@ -886,6 +890,16 @@ class Fleet:
         if not any(v > 0 for v in routed.values()):  # the shared pools died meanwhile: never stall
             return {r.key: r.capacity for r in alive}
         return routed
+
+
+    def _routing_slots(self, capacity: Mapping[str, float]) -> dict[str, int]:
+        """Each replica's slots: its own (by speed), or under shares the fewer of those and
+        ``max(1, round(max_batch x routing capacity / the largest routing capacity))``."""
+        if self.shares is None or not capacity:
+            return {r.key: r.slots for r in self.replicas}
+        top = max(capacity.values())
+        return {r.key: (min(r.slots, max(1, round(self.max_batch * capacity[r.key] / top))) if r.key in capacity
+                        else r.slots) for r in self.replicas}
 
 
 def _per(cost: float, tokens: float) -> float:
