@@ -873,7 +873,6 @@ class Fleet:
             target.assigned.append(self._queue.popleft())
             self._cond.notify_all()
 
-
     def routing_capacity(self) -> dict[str, float]:
         """Each alive replica's capacity in the routing rule (by key): its relative throughput,
         or under shares its pool's share / the pool's alive replicas (relative throughput again
@@ -890,7 +889,6 @@ class Fleet:
         if not any(v > 0 for v in routed.values()):  # the shared pools died meanwhile: never stall
             return {r.key: r.capacity for r in alive}
         return routed
-
 
     def _routing_slots(self, capacity: Mapping[str, float]) -> dict[str, int]:
         """Each replica's slots: its own (by speed), or under shares the fewer of those and
