@@ -206,6 +206,38 @@ def test_lockstep_pins_follow_the_shares_deterministically():
     assert {sched.pin(i) for i in range(20)} == {"b/0"}
 
 
+def test_the_router_feeds_the_fleets_figures_applies_the_shares_and_resumes_them():
+    from hetrl.core.buffer import PoolCounters
+    from hetrl.orchestrator.recorder import PoolStep
+    from hetrl.orchestrator.routing import make_router
+
+    fleet = Fleet.from_config(FleetConfig(pools=[pool("cheap", "b200", "bf16"), pool("dear", "h100", "bf16")],
+                                          cost_clock="modelled"), lambda p, n, i: FakeSampler(p))
+    assert make_router(fleet, "capacity", CFG) is None
+    router = make_router(fleet, "autopilot", CFG)
+    fleet.generate({f"g{i}": requests(f"g{i}", n=2) for i in range(6)})
+    figures = fleet.pool_figures()
+
+    def steps(k3_dear):
+        return [PoolStep(p, "-", 1, {"num_tokens": 10.0, "k3": k}, figures[p], PoolCounters(groups_out=1))
+                for p, k in (("cheap", 1e-4), ("dear", k3_dear))]
+
+    metrics = router.step(steps(1e-4))
+    # same k3: the shares follow cost per token (the catalogue's price / modelled speed on this clock)
+    cost = {p: figures[p].price_per_hour_usd / figures[p].capacity for p in ("cheap", "dear")}
+    assert fleet.shares == router.last.shares and sum(fleet.shares.values()) == pytest.approx(1.0)
+    assert (fleet.shares["cheap"] > fleet.shares["dear"]) == (cost["cheap"] < cost["dear"])
+    assert metrics["pool/dear/autopilot/state"] == STATES["active"]
+    metrics = router.step(steps(0.5))
+    assert fleet.shares["dear"] == 0.0 and metrics["pool/dear/autopilot/state"] == STATES["drained"]
+    resumed_fleet = Fleet.from_config(FleetConfig(pools=[pool("cheap", "b200", "bf16"), pool("dear", "h100", "bf16")],
+                                                  cost_clock="modelled"), lambda p, n, i: FakeSampler(p))
+    resumed = make_router(resumed_fleet, "autopilot", CFG)
+    resumed.restore(json.loads(json.dumps(router.state())))
+    assert resumed_fleet.shares == fleet.shares  # routes as at the checkpoint until the next decision
+    assert resumed.step(steps(0.5)) == router.step(steps(0.5))
+
+
 # ====================================================================== end to end
 @pytest.mark.slow
 def test_a_paced_mixed_fleet_run_records_the_autopilots_decisions(tmp_path, caplog):
