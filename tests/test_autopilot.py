@@ -86,6 +86,8 @@ def test_when_every_pool_is_over_budget_the_least_over_keeps_routing():
     assert d.states == {"a": "drained", "b": "forced", "c": "drained"}
     assert d.shares == {"a": 0.0, "b": 1.0, "c": 0.0}
     assert any("b keeps routing" in line for line in d.changes)
+    again = pilot.decide([reading("a", k3=0.08), reading("b", k3=0.03), reading("c", k3=0.05)])
+    assert again.states["b"] == "forced" and not any("keeps routing" in line for line in again.changes)  # said once
 
 
 def test_an_unavailable_pool_gets_nothing_and_keeps_its_state():

@@ -26,8 +26,9 @@ dropped / groups returned, over the step); throughput is its generated tokens / 
   fresh mismatch figures and every figure is within ``recover`` x its budget (for ``ess``,
   ``1 - ess`` within ``recover x (1 - min_ess)``): ``active``; otherwise it stays on probation.
 * ``forced`` (3): when every routable pool would be drained, the one least over budget (largest
-  ``figure / budget`` ratio smallest; ties: fleet order) keeps routing at full weight, so the run
-  never stalls on its own routing; it returns to the normal states once another pool is routable.
+  ``figure / budget`` ratio smallest; ties: fleet order) keeps routing at full weight (one line
+  when it starts or the forced pool changes), so the run never stalls on its own routing; it
+  returns to the normal states once another pool is routable.
 * ``unavailable`` (4): quarantined or no replica alive: share 0, not judged.
 
 **Weights.** A routable pool's weight is its capacity share (relative throughput x alive replicas,
@@ -134,6 +135,7 @@ class Autopilot:
         self._avg: dict[str, dict[str, float]] = {}   # pool -> smoothed figures (absent: none seen)
         self._state: dict[str, str] = {}              # pool -> active | probation | drained (judged state)
         self._since: dict[str, int] = {}              # pool -> steps in its current state
+        self._forced: str | None = None               # the pool forced to keep routing (None: none)
 
     # ------------------------------------------------------------------ figures
     def _smooth(self, r: PoolReading) -> dict[str, float]:
@@ -191,11 +193,14 @@ class Autopilot:
             self._state[r.pool], self._since[r.pool] = new, since
             states[r.pool] = new if r.routable else "unavailable"
         routable = [r for r in readings if r.routable]
+        forced = None
         if routable and all(states[r.pool] == "drained" for r in routable):
-            keep = min(routable, key=lambda r: ratio[r.pool])  # min is stable: ties keep fleet order
-            states[keep.pool] = "forced"
-            changes.append(f"autopilot: every routable pool is over budget; {keep.pool} keeps routing "
-                           f"(least over budget: {ratio[keep.pool]:.2f}x)")
+            forced = min(routable, key=lambda r: ratio[r.pool]).pool  # min is stable: ties keep fleet order
+            states[forced] = "forced"
+            if forced != self._forced:
+                changes.append(f"autopilot: every routable pool is over budget; {forced} keeps routing "
+                               f"(least over budget: {ratio[forced]:.2f}x)")
+        self._forced = forced
         cost = {r.pool: self._cost(r, figures[r.pool]) for r in readings}
         shares = self._shares(readings, states, cost)
         return Decision(shares, states, cost, figures, tuple(changes))
@@ -238,10 +243,12 @@ class Autopilot:
     # ------------------------------------------------------------------ resume
     def state(self) -> dict[str, Any]:
         """The smoothed figures and states, JSON-able (:meth:`restore`)."""
-        return {"avg": {p: dict(v) for p, v in self._avg.items()}, "state": dict(self._state), "since": dict(self._since)}
+        return {"avg": {p: dict(v) for p, v in self._avg.items()}, "state": dict(self._state), "since": dict(self._since),
+                "forced": self._forced}
 
     def restore(self, state: Mapping[str, Any]) -> None:
         """Continue from :meth:`state`."""
         self._avg = {p: {k: float(x) for k, x in v.items()} for p, v in state.get("avg", {}).items()}
         self._state = {p: str(s) for p, s in state.get("state", {}).items() if s in STATES}
         self._since = {p: int(n) for p, n in state.get("since", {}).items()}
+        self._forced = state.get("forced")
