@@ -1,11 +1,13 @@
 """The autopilot (``fleet.routing: autopilot``): the decision function (drain, probation,
 readmission, cost tilt, never all drained), its shares in the real fleet's routing and in the
-lockstep schedule's pinning, its config, and one tiny paced mixed-fleet run whose metrics show
-its decisions."""
+lockstep schedule's pinning, its config, the router between the loop's records and the fleet,
+the E5 grid; slow: a tiny paced mixed-fleet run whose metrics show its decisions, and a lockstep
+autopilot run killed and resumed that repeats the uninterrupted one."""
 
 import json
 import logging
 import math
+import subprocess
 
 import pytest
 from hypothesis import given, settings
@@ -284,3 +286,31 @@ def test_the_e5_grid_is_valid_and_compares_the_rented_time_cost(capsys):
     values = {"mixed_autopilot": [cheap, dict(cheap)], "homogeneous": [dear, dict(dear)]}
     finding = claim_cost(e3, values).findings[1]
     assert "rented_usd_per_mtok" in finding.measured and "0.500" in finding.measured  # the rented clock's ratio
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(reason="open: steps 1-3 repeat exactly, step 4 (after the resume at step 2) differs in the "
+                          "h100-fp8 pool's figures (ess, cost/usd); not yet diagnosed", strict=False)
+def test_a_lockstep_autopilot_run_killed_and_resumed_repeats_the_uninterrupted_one(tmp_path):
+    """Two pools, a budget no pool meets (so the states change from step to step): the killed and
+    resumed run's metrics, autopilot decisions included, equal the uninterrupted run's."""
+    from test_resume_after_kill import (LOCKSTEP, RUN_TIMEOUT_S, STEPS, TIMING_PREFIXES, TIMING_SUFFIXES, _command,
+                                        _kill_and_resume)
+
+    extra = (*LOCKSTEP, *set_args([
+        "fleet.pools=[{name: b200-bf16, accelerator: b200, weight_precision: bf16}, "
+        "{name: h100-fp8, accelerator: h100, weight_precision: fp8_e4m3}]",
+        "fleet.routing=autopilot", "fleet.autopilot={max_k3: 1.0e-12, cooldown_steps: 1}"]))
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    done = subprocess.run(_command(whole, *extra), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-6000:]
+    _kill_and_resume(cut, *extra)
+    expected = [json.loads(x) for x in (whole / "metrics.jsonl").read_text().splitlines()]
+    got = [json.loads(x) for x in (cut / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in got] == [r["step"] for r in expected] == list(range(1, STEPS + 1))
+    for e, g in zip(expected, got):
+        keys = {k for k in e.keys() | g.keys() if not k.startswith(TIMING_PREFIXES) and not k.endswith(TIMING_SUFFIXES)}
+        assert any("/autopilot/" in k for k in keys)
+        assert {k: g.get(k) for k in keys} == {k: e.get(k) for k in keys}, e["step"]
+    states = {r[f"pool/{p}/autopilot/state"] for r in expected for p in ("b200-bf16", "h100-fp8")}
+    assert len(states) > 1  # the decisions changed over the run
