@@ -174,6 +174,14 @@ class MegatronTrainer:
         return pathlib.Path(directory)
 
     # ------------------------------------------------------------------ batches
+    @property
+    def data_parallel(self) -> tuple[int, int]:
+        """``(rank, size)``: this rank's place among the data-parallel ranks (every
+        tensor/pipeline rank of one data-parallel rank passes the same rows)."""
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+
     def local_rows(self, global_batch_size: int) -> slice:
         """The rows of a ``global_batch_size``-row batch this rank passes to :meth:`train_step`
         and :meth:`logprobs`: a contiguous share per data-parallel rank (all rows without data
