@@ -249,15 +249,26 @@ class TrainerRanks:
             for i in pending:
                 if i in replies:
                     continue
-                conn = self._conns[i]
-                if conn.poll():
-                    header, payloads = _receive(conn)
-                    if not header["ok"]:
-                        self._fail(op, f"rank {i + 1} raised in {header['op']}:\n{header['error']}")
-                    replies[i] = (header, payloads)
-                elif not self._procs[i].is_alive():
-                    self._fail(op, f"rank {i + 1} exited with code {self._procs[i].exitcode}")
+                if self._conns[i].poll() or not self._procs[i].is_alive():
+                    reply = self._reply(i)
+                    if isinstance(reply, str):
+                        self._fail(op, reply)
+                    replies[i] = reply
         return future.result(), [replies[i] for i in range(len(self._conns))]
+
+    def _reply(self, i: int) -> tuple[dict, list[bytes]] | str:
+        """Worker ``i``'s reply, or why there is none (its error, or its exit), once its pipe is
+        readable or its process has ended."""
+        try:
+            if self._conns[i].poll():
+                header, payloads = _receive(self._conns[i])
+                if header["ok"]:
+                    return header, payloads
+                return f"rank {i + 1} raised in {header['op']}:\n{header['error']}"
+        except (EOFError, OSError):
+            pass
+        self._procs[i].join(_JOIN_S)
+        return f"rank {i + 1} exited with code {self._procs[i].exitcode}"
 
     def _worker_failure(self, pending: list[int], wait_s: float) -> str | None:
         """The first failure among the ``pending`` workers seen within ``wait_s`` seconds."""
@@ -265,15 +276,10 @@ class TrainerRanks:
         if not watched or not multiprocessing.connection.wait(watched, timeout=wait_s):
             return None
         for i in pending:
-            if self._conns[i].poll():
-                try:
-                    header, _ = _receive(self._conns[i])
-                except (EOFError, OSError):
-                    header = {"ok": True}
-                if not header["ok"]:
-                    return f"rank {i + 1} raised in {header['op']}:\n{header['error']}"
-            if not self._procs[i].is_alive():
-                return f"rank {i + 1} exited with code {self._procs[i].exitcode}"
+            if self._conns[i].poll() or not self._procs[i].is_alive():
+                reply = self._reply(i)
+                if isinstance(reply, str):
+                    return reply
         return None
 
     def _fail(self, op: str, why: str, cause: BaseException | None = None) -> None:
