@@ -81,10 +81,15 @@ CHAOS = ("--set", "fleet.chaos={seed: 3, poison_rate: 0.15, slow_rate: 0.3, slow
 chaos wrapper must forward the per-step reseed, and restart its own draws, for the exact resume."""
 
 
-@pytest.mark.parametrize("chaos", [False, True], ids=["plain", "chaos"])
-def test_lockstep_resume_after_a_kill_reproduces_the_uninterrupted_run_exactly(tmp_path, chaos):
+MEGATRON_2_RANKS = ("--trainer", "megatron", "--set", "trainer.world_size=2", "--set", "trainer.mesh={data: 2, fsdp: 1, tensor: 1}")
+"""Two Megatron ranks (data parallel, hetrl.orchestrator.trainer_ranks): the worker dies with the killed loop."""
+
+
+@pytest.mark.parametrize("chaos,trainer", [(False, ()), (True, ()), (False, MEGATRON_2_RANKS)],
+                         ids=["plain", "chaos", "megatron-2-ranks"])
+def test_lockstep_resume_after_a_kill_reproduces_the_uninterrupted_run_exactly(tmp_path, chaos, trainer):
     whole, cut = tmp_path / "whole", tmp_path / "cut"
-    extra = (*LOCKSTEP, *(CHAOS if chaos else ()))
+    extra = (*LOCKSTEP, *(CHAOS if chaos else ()), *trainer)
     done = subprocess.run(_command(whole, *extra), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-6000:]
     before, _ = _kill_and_resume(cut, *extra)

@@ -16,8 +16,7 @@ data-parallel share, :func:`balanced_shares` of the rows' token counts (equal ro
 sums as even as a greedy split makes them; tensor ranks of one data-parallel rank take the same
 rows). The trainer normalizes the loss over the global batch, so N ranks compute the 1-rank
 loss. ``logprobs`` are reassembled on rank 0 in batch order; ``train_step``'s metrics are rank
-0's: ``loss``, ``grad_norm`` and ``learning_rate`` are global, the per-token diagnostics
-(mismatch, entropy) are over rank 0's share. The HF export is gathered over tensor ranks by the
+0's (the trainer computes them over the global batch). The HF export is gathered over tensor ranks by the
 trainer; rank 0's is returned. Nothing received is unpickled: commands and replies are JSON,
 arrays safetensors / ``.npy``.
 
