@@ -19,6 +19,8 @@ from hetrl.cli import main
 SRC = pathlib.Path(bench_command.__file__).resolve().parents[1]
 REPO = SRC.parent
 BENCHMARKS = bench_command.discover()
+RUN_ELSEWHERE = {"gpu_check": "tests/test_gpu_check.py runs it at --quick through bench/gpu_check.sh --cpu-smoke"}
+"""Benchmarks whose --quick run another test already makes (and checks more closely), each with where."""
 
 STAND_IN = '''"""Stand-in benchmark: records its arguments.
 
@@ -87,13 +89,14 @@ def test_missing_bench_directory_says_so_in_one_line(tmp_path, monkeypatch, caps
 
 def test_the_repository_has_benchmarks_each_with_a_short_description():
     assert {"correction_overhead", "sampler_throughput", "trainer_step", "async_overlap", "soak"} <= set(BENCHMARKS)
+    assert set(RUN_ELSEWHERE) <= set(BENCHMARKS), "RUN_ELSEWHERE names a benchmark that is gone"
     long = {name: d for name, d in ((n, bench_command.description(p)) for n, p in BENCHMARKS.items())
             if not d or len(d) > 130}
     assert long == {}, "each bench script's docstring must open with a one-line description (<= 130 characters)"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(BENCHMARKS))
+@pytest.mark.parametrize("name", sorted(set(BENCHMARKS) - set(RUN_ELSEWHERE)))
 def test_benchmark_runs_at_quick(name, tmp_path):
     """``hetrl bench NAME --quick --out DIR`` exits 0 and writes NAME.json and NAME.png there (a
     fresh process each, from the repository root like a user; under a minute each on 2 quiet cores,

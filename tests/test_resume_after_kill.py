@@ -85,11 +85,12 @@ MEGATRON_2_RANKS = ("--trainer", "megatron", "--set", "trainer.world_size=2", "-
 """Two Megatron ranks (data parallel, hetrl.orchestrator.trainer_ranks): the worker dies with the killed loop."""
 
 
-@pytest.mark.parametrize("chaos,trainer", [(False, ()), (True, ()), (False, MEGATRON_2_RANKS)],
-                         ids=["plain", "chaos", "megatron-2-ranks"])
-def test_lockstep_resume_after_a_kill_reproduces_the_uninterrupted_run_exactly(tmp_path, chaos, trainer):
+@pytest.mark.parametrize("trainer", [(), MEGATRON_2_RANKS], ids=["jax", "megatron-2-ranks"])
+def test_lockstep_resume_after_a_kill_reproduces_the_uninterrupted_run_exactly(tmp_path, trainer):
+    """Under faults (the chaos run is the plain run plus poisoned and stalled calls, so a plain
+    resume's flaw shows here too, and one pair of runs covers both)."""
     whole, cut = tmp_path / "whole", tmp_path / "cut"
-    extra = (*LOCKSTEP, *(CHAOS if chaos else ()), *trainer)
+    extra = (*LOCKSTEP, *CHAOS, *trainer)
     done = subprocess.run(_command(whole, *extra), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-6000:]
     before, _ = _kill_and_resume(cut, *extra)
@@ -101,7 +102,7 @@ def test_lockstep_resume_after_a_kill_reproduces_the_uninterrupted_run_exactly(t
         keys = {k for k in e.keys() | g.keys() if not k.startswith(TIMING_PREFIXES) and not k.endswith(TIMING_SUFFIXES)}
         assert len(keys) > 50
         assert {k: g.get(k) for k in keys} == {k: e.get(k) for k in keys}, e["step"]
-    assert not chaos or expected[-1]["chaos/poisoned"] > 0  # faults were injected
+    assert expected[-1]["chaos/poisoned"] > 0  # faults were injected
 
 
 def test_the_kill_came_after_the_checkpoint(killed_and_resumed):

@@ -283,15 +283,15 @@ def test_api_key_is_sent_and_required(model_dir, tmp_path, monkeypatch):
         srv.stop()
 
 
-def test_killed_server_is_detected_and_its_jobs_requeued(model_dir, tmp_path):
-    """Two replicas on two servers; one server is killed while it generates: every job is still
-    delivered exactly once (the dead replica's go to the survivor), and the pool shrinks."""
+def test_killed_server_is_detected_and_its_jobs_requeued(server, model_dir, tmp_path):
+    """Two replicas on two servers (a fresh one and the module's, the survivor); the fresh one is
+    killed while it generates: every job is still delivered exactly once (the dead replica's go to
+    the survivor), and the pool shrinks."""
     a = SGLangServer(model_dir, log_path=tmp_path / "a.log").start()
-    b = SGLangServer(model_dir, log_path=tmp_path / "b.log").start()
     try:
-        pool = _pool(a.url, b.url, retries=1, backoff_s=0.01)
+        pool = _pool(a.url, server.url, retries=1, backoff_s=0.01)
         samplers = [ServerSampler(pool, pool.numerics(), model_dir=model_dir, weights_dir=tmp_path / "w", endpoints=[u])
-                    for u in (a.url, b.url)]
+                    for u in (a.url, server.url)]
         fleet = Fleet([(pool, s) for s in samplers], max_batch=4)
         config = ModelConfig.load(model_dir)
         killer = threading.Thread(target=lambda: (_wait_until(lambda: samplers[0].in_flight > 0), a.kill()))
@@ -306,7 +306,6 @@ def test_killed_server_is_detected_and_its_jobs_requeued(model_dir, tmp_path):
         assert metrics["pool/sgl/errors"] == 1 and metrics["pool/sgl/requests"] == 16
     finally:
         a.stop()
-        b.stop()
 
 
 def _wait_until(condition, timeout: float = 120.0) -> None:
