@@ -27,11 +27,9 @@ from tiny_run import NO_EVAL, QUIET, TINY_MODEL, set_args
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHIPPED = sorted(p.name for p in CONFIG_DIR.glob("*.yaml") if not p.name.startswith("experiment_"))  # run configs
 REFUSED = {  # the real-cluster examples, until multi-rank training lands: what --dry-run must say
-    "qwen3_b200_megatron.yaml": ["trainer.mesh: data 1 x fsdp -1 x tensor 2 needs a multiple of 2 trainer ranks and "
-                                 "the loop runs the trainer as 1",
-                                 "model.path: /shared/models/Qwen3-8B does not exist"],
+    "qwen3_b200_megatron.yaml": ["model.path: /shared/models/Qwen3-8B does not exist"],
     "qwen3_tpu_jax.yaml": ["trainer.mesh: data 1 x fsdp -1 x tensor 4 needs a multiple of 4 devices",
-                           "trainer.distributed: multi-process start-up", "output_dir: 'gs://"],
+                           "trainer.distributed: multi-process start-up of the JAX trainer", "output_dir: 'gs://"],
 }
 
 
@@ -124,18 +122,26 @@ def test_a_missing_model_path_is_refused_by_dry_run_and_by_the_run(capsys, tmp_p
     assert "has no config.json or tokenizer.json" in line
 
 
-def test_trainer_parallel_sizes_beyond_the_loops_one_rank_are_refused_by_dry_run(capsys):
-    line = _one_line_error(capsys, ["train", "tiny_homogeneous.yaml", "--trainer", "megatron", "--dry-run",
-                                    "--set", "trainer.mesh={data: 1, fsdp: 1, tensor: 2}"])
-    assert "trainer.mesh: data 1 x fsdp 1 x tensor 2 needs 2 trainer ranks" in line
-    assert main(["train", "tiny_homogeneous.yaml", "--trainer", "megatron", "--dry-run"]) == 0
+def test_a_trainer_mesh_that_does_not_fill_world_size_is_refused_by_dry_run(capsys):
+    base = ["train", "tiny_homogeneous.yaml", "--trainer", "megatron", "--dry-run"]
+    line = _one_line_error(capsys, [*base, "--set", "trainer.mesh={data: 1, fsdp: 1, tensor: 2}"])
+    assert "trainer.mesh: data 1 x fsdp 1 x tensor 2 needs 2 trainer ranks and trainer.world_size is 1" in line
+    assert main([*base, "--set", "trainer.mesh={data: 1, fsdp: 1, tensor: 2}", "--set", "trainer.world_size=2"]) == 0
+    line = _one_line_error(capsys, [*base, "--set", "trainer.world_size=2", "--set", "async.batch_groups=3",
+                                    "--set", "async.group_size=3", "--set", "trainer.mesh={data: 2, fsdp: 1, tensor: 1}"])
+    assert "9 rollouts (batch_groups x group_size) do not split evenly over 2 data-parallel trainer ranks" in line
+    line = _one_line_error(capsys, [*base, "--set", "trainer.world_size=2", "--set", "backend=ray"])
+    assert "trainer.world_size: 2 trainer ranks run on the local backend only so far" in line
+    line = _one_line_error(capsys, ["train", "tiny_homogeneous.yaml", "--dry-run", "--set", "trainer.world_size=2"])
+    assert "trainer.world_size: the loop runs the JAX trainer as one process so far" in line
+    assert main(base) == 0
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_the_real_cluster_examples_are_refused_by_dry_run_naming_why(capsys, name):
     assert main(["train", name, "--dry-run"]) == 1
     err = capsys.readouterr().err
-    assert err.startswith(f"hetrl train: {CONFIG_DIR / name}: cannot run:\n")
+    assert err.startswith(f"hetrl train: {CONFIG_DIR / name}: cannot run:" + ("\n" if len(REFUSED[name]) > 1 else " "))
     for reason in REFUSED[name]:
         assert reason in err
 

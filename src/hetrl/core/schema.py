@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any, Literal, Sequence
 
 import msgpack
@@ -536,6 +536,13 @@ class RolloutBatch:
     @property
     def num_groups(self) -> int:
         return len(self.group_ids)
+
+    def select(self, rows: np.ndarray) -> "RolloutBatch":
+        """The batch of rows ``rows`` (indices, in that order). ``group_index``, ``pool_index``,
+        ``group_ids`` and ``pool_names`` keep referring to the whole batch's groups and pools."""
+        rows = np.asarray(rows, np.int64)
+        return replace(self, **{k: v[rows] for k, v in self.arrays.items()},
+                       rollout_ids=tuple(self.rollout_ids[i] for i in rows))
 
     def to_bytes(self) -> bytes:
         """safetensors bytes (arrays as tensors, names in the JSON metadata); no pickle."""

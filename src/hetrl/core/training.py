@@ -104,8 +104,9 @@ class MeshConfig(_Frozen):
 class TrainerSettings(_Frozen):
     """What every trainer is configured by (each trainer's config narrows ``kind`` and adds its own keys):
     ``compute_dtype`` (``bf16``: FP32 master weights, BF16 matmul inputs and activations with
-    FP32 accumulation; ``fp32``: FP32 throughout), the ``mesh``, the ``optimizer`` and
-    ``normalize_advantage_std`` (GRPO: divide the advantages by the group's reward std).
+    FP32 accumulation; ``fp32``: FP32 throughout), ``world_size`` (the number of trainer ranks
+    (Megatron) or processes (JAX) the loop runs), the ``mesh`` laid over them, the ``optimizer``
+    and ``normalize_advantage_std`` (GRPO: divide the advantages by the group's reward std).
 
     The off-policy correction and the checkpoint policy are not trainer settings: the run config
     owns them (``correction``, ``checkpointing``) and the trainer is given them when it is built."""
@@ -113,6 +114,7 @@ class TrainerSettings(_Frozen):
     kind: str
     """The trainer (each trainer's config narrows it to its own name)."""
     compute_dtype: Literal["bf16", "fp32"] = "bf16"
+    world_size: int = Field(1, ge=1)
     mesh: MeshConfig = MeshConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     normalize_advantage_std: bool = False

@@ -2,8 +2,9 @@
 ``hetrl train --dry-run``), each problem with its fix.
 
 A config can be valid (every key typed and in range, :mod:`hetrl.config`) and still not runnable
-by this loop: an environment it does not run, a trainer laid out over more ranks or devices than
-the loop gives it (it runs the trainer as :data:`TRAINER_RANKS` rank, in one process), a model
+by this loop: an environment it does not run, a trainer mesh that does not fill
+``trainer.world_size`` ranks (Megatron; on the local backend) or this process's devices (JAX, one
+process), a step's batch that does not split over the data-parallel ranks, a model
 path that is not there, outputs on an object store. :func:`runnable_problems` lists them;
 :func:`check_runnable` raises one :class:`~hetrl.config.ConfigError` naming them all.
 """
@@ -16,30 +17,44 @@ import pathlib
 from hetrl.config import ConfigError, RunConfig
 from hetrl.models.resolve import check_model_path
 
-__all__ = ["TRAINER_RANKS", "runnable_problems", "check_runnable"]
+__all__ = ["runnable_problems", "check_runnable"]
 
-TRAINER_RANKS = 1
-"""Ranks the loop runs the trainer on (multi-rank training has not landed)."""
+def _megatron_problems(config: RunConfig) -> list[str]:
+    t, m = config.trainer, config.trainer.mesh
+    n = t.world_size
+    try:
+        _, _, data = t.parallel_sizes(n)
+    except ValueError:
+        fixed = math.prod(s for s in (m.data, m.fsdp, m.tensor) if s != -1) * m.pipeline
+        return [f"trainer.mesh: data {m.data} x fsdp {m.fsdp} x tensor {m.tensor} needs "
+                f"{'a multiple of ' if -1 in (m.data, m.fsdp, m.tensor) else ''}{fixed} trainer ranks and "
+                f"trainer.world_size is {n}; set trainer.world_size to fit the mesh (or the mesh sizes to fit "
+                f"{n} ranks: one of data, fsdp, tensor may be -1)"]
+    problems = []
+    if n > 1 and config.backend != "local":
+        problems.append(f"trainer.world_size: {n} trainer ranks run on the local backend only so far (the "
+                        f"{config.backend!r} backend runs the trainer as one rank); set backend: local or "
+                        f"trainer.world_size: 1")
+    rows = config.async_.batch_groups * config.async_.group_size
+    if rows % data:
+        problems.append(f"async: a step's {rows} rollouts (batch_groups x group_size) do not split evenly over "
+                        f"{data} data-parallel trainer ranks; make batch_groups x group_size a multiple of {data}")
+    return problems
 
 
 def _trainer_problems(config: RunConfig) -> list[str]:
     t = config.trainer
     m = t.mesh
     if t.kind == "megatron":
-        try:
-            t.parallel_sizes(TRAINER_RANKS)
-        except ValueError:
-            fixed = math.prod(s for s in (m.data, m.fsdp, m.tensor) if s != -1) * m.pipeline
-            return [f"trainer.mesh: data {m.data} x fsdp {m.fsdp} x tensor {m.tensor} needs "
-                    f"{'a multiple of ' if -1 in (m.data, m.fsdp, m.tensor) else ''}{fixed} trainer ranks "
-                    f"and the loop runs the trainer as {TRAINER_RANKS} (multi-rank training has not landed); set "
-                    f"the mesh sizes to 1 (one of data, fsdp, tensor may be -1)"]
-        return []
+        return _megatron_problems(config)
+    if t.world_size > 1:
+        return [f"trainer.world_size: the loop runs the JAX trainer as one process so far; set "
+                f"trainer.world_size: 1 (and lay the mesh over this process's devices)"]
     problems = []
     d = t.distributed
     if d.auto or d.coordinator_address or (d.num_processes or 1) > 1:
-        problems.append("trainer.distributed: multi-process start-up needs multi-rank training, which the loop does "
-                        "not run yet; remove trainer.distributed")
+        problems.append("trainer.distributed: multi-process start-up of the JAX trainer does not run in the loop yet (it runs "
+                        "the JAX trainer as one process); remove trainer.distributed")
     fixed = math.prod(s for s in (m.data, m.fsdp, m.tensor) if s != -1)
     if fixed > 1:
         import jax

@@ -174,6 +174,14 @@ class MegatronTrainer:
         return pathlib.Path(directory)
 
     # ------------------------------------------------------------------ batches
+    @property
+    def data_parallel(self) -> tuple[int, int]:
+        """``(rank, size)``: this rank's place among the data-parallel ranks (every
+        tensor/pipeline rank of one data-parallel rank passes the same rows)."""
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+
     def local_rows(self, global_batch_size: int) -> slice:
         """The rows of a ``global_batch_size``-row batch this rank passes to :meth:`train_step`
         and :meth:`logprobs`: a contiguous share per data-parallel rank (all rows without data
@@ -233,7 +241,7 @@ class MegatronTrainer:
         mean over the global batch), ``grad_norm`` (global, before clipping), ``entropy``
         (full-vocabulary entropy over trainable tokens), ``advantage_abs_mean``,
         ``learning_rate``, ``version`` (the version that consumed the batch), ``update_skipped``,
-        and every key of :func:`hetrl.core.correction.mismatch_metrics` (over this rank's rows).
+        and every key of :func:`hetrl.core.correction.mismatch_metrics` (all over the global batch).
         ``old_logprobs`` [B, L] (from :meth:`logprobs` before the first update on the batch) is
         required exactly when the correction uses PPO-clip."""
         if (self.correction.ppo_clip is not None) != (old_logprobs is not None):
@@ -273,21 +281,35 @@ class MegatronTrainer:
         count = count.to(torch.int)
         return loss_sum, count, {"loss": torch.stack([loss_sum.detach().float(), count.float()])}
 
+    def _all_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` [B_local, ...] of every data-parallel rank, concatenated in rank order
+        [B_global, ...] (``rows`` itself without data parallelism)."""
+        from megatron.core import parallel_state
+
+        dp = parallel_state.get_data_parallel_world_size()
+        if dp == 1:
+            return rows
+        wire = rows.to(torch.uint8) if rows.dtype == torch.bool else rows.contiguous()  # gloo gathers no bools
+        parts = [torch.empty_like(wire) for _ in range(dp)]
+        torch.distributed.all_gather(parts, wire, group=parallel_state.get_data_parallel_group())
+        return torch.cat(parts).to(rows.dtype)
+
     def _metrics(self, batch: RolloutBatch, logs: list[dict], collected: list[dict]) -> dict[str, float]:
-        """Step metrics: the global token-mean loss from the micro-batches' (sum, count) logs,
-        the rest over this rank's rows."""
+        """Step metrics over the global batch: the token-mean loss from the micro-batches' (sum,
+        count) logs, the rest from every data-parallel rank's per-token statistics."""
         from megatron.core import parallel_state
 
         loss_and_count = torch.stack([log["loss"] for log in logs]).sum(0)
         torch.distributed.all_reduce(loss_and_count, group=parallel_state.get_data_parallel_group())
-        stats = TokenStats(**{name: torch.cat([getattr(c["stats"], name) for c in collected])
+        stats = TokenStats(**{name: self._all_rows(torch.cat([getattr(c["stats"], name) for c in collected]))
                               for name in TokenStats.__dataclass_fields__})
-        loss_mask = torch.from_numpy(batch.loss_mask).to(self.device)
-        entropy = torch.cat([c["entropy"] for c in collected])
-        advantages = torch.cat([c["advantages"] for c in collected])
+        loss_mask = self._all_rows(torch.from_numpy(batch.loss_mask).to(self.device))
+        entropy = self._all_rows(torch.cat([c["entropy"] for c in collected]))
+        advantages = self._all_rows(torch.cat([c["advantages"] for c in collected]))
         metrics = mismatch_metrics(
-            stats, loss_mask, torch.from_numpy(batch.pool_index).to(self.device), batch.pool_names,
-            torch.from_numpy(batch.policy_version).to(self.device), self.step, self.correction.log_ratio_clamp,
+            stats, loss_mask, self._all_rows(torch.from_numpy(batch.pool_index).to(self.device)), batch.pool_names,
+            self._all_rows(torch.from_numpy(batch.policy_version).to(self.device)), self.step,
+            self.correction.log_ratio_clamp,
         )
         metrics.update(entropy=masked_mean(entropy, loss_mask), advantage_abs_mean=advantages.abs().mean())
         out = {name: float(value) for name, value in metrics.items()}
