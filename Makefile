@@ -10,6 +10,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.hetrl-$(shell cat pyproject.toml constraints.txt | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
+PYTEST_WORKERS ?= 2  # pytest-xdist workers; each takes whole test files (their module fixtures are shared)
 
 .PHONY: venv sglang-venv sandbox-tools test train bench clean
 
@@ -32,7 +33,7 @@ sandbox-tools:
 	  || echo "sandbox: bubblewrap unavailable (not root or offline); the sandbox falls back to unshare namespaces"
 
 test: $(STAMP) sglang-venv sandbox-tools
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 train: $(STAMP)
 	$(VENV)/bin/hetrl train
