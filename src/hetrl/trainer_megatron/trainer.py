@@ -48,6 +48,7 @@ from hetrl.core.xp import masked_mean
 from hetrl.models import ModelConfig, load_state_dict
 from hetrl.models.hf_io import save_hf_export
 from hetrl.trainer_megatron.config import MegatronTrainerConfig
+from hetrl.trainer_megatron.orphan_watch import install_results_queue
 from hetrl.trainer_megatron.model import (
     build_gpt_model, forward_logits, initialize_parallel, transformer_config, unwrap,
 )
@@ -353,6 +354,7 @@ class MegatronTrainer:
         if torch.distributed.get_rank() == 0:
             directory.mkdir(parents=True, exist_ok=True)
         torch.distributed.barrier()
+        install_results_queue()
         dist_checkpointing.save(self._sharded_state_dict(is_loading=False), str(directory))
         return directory
 
