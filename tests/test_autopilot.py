@@ -178,11 +178,15 @@ def test_the_fleet_routes_by_shares_and_sends_nothing_to_a_drained_pool():
     load = {r.pool.name: r.load for r in fleet.replicas}
     assert load == {"a": 12, "b": 4}
     fleet.set_shares({"a": 1.0, "b": 0.0})
-    fleet.submit("pinned", requests("pinned", n=2), replica="b/0")  # a pin to a drained pool is routed
+    fleet.submit("g8", requests("g8", n=2))  # routed: nothing to the drained pool
     assert {r.pool.name: r.load for r in fleet.replicas} == {"a": 14, "b": 4}
+    # a pin is kept whatever the shares (a lockstep group pinned before the pool was drained,
+    # carried over a resume, goes where it went in the uninterrupted run)
+    fleet.submit("pinned", requests("pinned", n=2), replica="b/0")
+    assert {r.pool.name: r.load for r in fleet.replicas} == {"a": 14, "b": 6}
     fleet.set_shares(None)  # capacity routing again: equal pools, the lighter one
     fleet.submit("g9", requests("g9", n=2))
-    assert {r.pool.name: r.load for r in fleet.replicas} == {"a": 14, "b": 6}
+    assert {r.pool.name: r.load for r in fleet.replicas} == {"a": 14, "b": 8}
     with pytest.raises(ValueError, match="unknown"):
         fleet.set_shares({"zzz": 1.0})
 
@@ -289,8 +293,6 @@ def test_the_e5_grid_is_valid_and_compares_the_rented_time_cost(capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="open: steps 1-3 repeat exactly, step 4 (after the resume at step 2) differs in the "
-                          "h100-fp8 pool's figures (ess, cost/usd); not yet diagnosed", strict=False)
 def test_a_lockstep_autopilot_run_killed_and_resumed_repeats_the_uninterrupted_one(tmp_path):
     """Two pools, a budget no pool meets (so the states change from step to step): the killed and
     resumed run's metrics, autopilot decisions included, equal the uninterrupted run's."""

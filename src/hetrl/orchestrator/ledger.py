@@ -38,6 +38,7 @@ class GroupSpec:
     task: Task
     prompt: np.ndarray
     submitted_at: float
+    replica: str | None = None  # the replica key it is pinned to (lockstep); None: routed by the fleet
 
 
 class GroupLedger:

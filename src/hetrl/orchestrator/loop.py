@@ -404,17 +404,21 @@ class AsyncOrchestrator(abc.ABC):
                 if regen:
                     self._submit_locked(regen.pop(0))
                 else:
-                    self._submit_locked(self._carried_over.pop(0) if self._carried_over else self.tasks.next())
+                    self._submit_locked(*self._carried_over.pop(0)) if self._carried_over \
+                        else self._submit_locked(self.tasks.next())
 
-    def _submit_locked(self, task: Task) -> None:
-        """Submit ``task`` as a new group (one fleet job of ``group_size`` requests); holds the lock."""
+    def _submit_locked(self, task: Task, gid: str | None = None, replica: str | None = None) -> None:
+        """Submit ``task`` as a group (one fleet job of ``group_size`` requests); holds the lock.
+        A new group takes the next id and the schedule's pin; a group carried over from a
+        checkpoint (``gid``) keeps its id and pin, so a resumed lockstep run serves it where the
+        uninterrupted run did."""
         a = self.config.async_
-        gid = f"g{self._next_gid:06d}"
-        self._next_gid += 1
-        spec = GroupSpec(gid, task, self.tasks.prompt(task), time.monotonic())
+        if gid is None:
+            gid, replica = f"g{self._next_gid:06d}", self.schedule.pin(self._next_gid)
+            self._next_gid += 1
+        spec = GroupSpec(gid, task, self.tasks.prompt(task), time.monotonic(), replica)
         self.ledger.submit(spec)
-        self.fleet.submit(gid, self.runner.requests(gid, spec.prompt, a.group_size, a.sampling),
-                          replica=self.schedule.pin(self._next_gid - 1))
+        self.fleet.submit(gid, self.runner.requests(gid, spec.prompt, a.group_size, a.sampling), replica=replica)
 
     def _worker(self, replica: Replica) -> None:
         """Serve ``replica`` until stopped or dead; play each finished job's group and buffer it."""
@@ -587,7 +591,8 @@ class AsyncOrchestrator(abc.ABC):
         self._next_gid = 0
         self._counts = {k: 0 for k in ("rollouts_valid", "rollouts_rejected", "groups_rejected", "groups_rerouted",
                                        "continuation_failures", "groups_trained")}
-        self._carried_over: list[Task] = []  # tasks in flight at the checkpoint a resumed run starts from
+        # (task, group id, pinned replica) of the groups in flight at the checkpoint a resumed run starts from
+        self._carried_over: list[tuple[Task, str, str | None]] = []
         self._errors: list[str] = []
         self.supervisor = ReplicaSupervisor(
             self.fleet, self.gate, cfg.fleet.restart, self._rebuild_sampler,
@@ -698,8 +703,8 @@ class AsyncOrchestrator(abc.ABC):
     # ================================================================== helpers
     def _snapshot_state(self, weights: Mapping[str, np.ndarray] | None = None) -> None:
         """Beside the trainer's checkpoint at its version: the buffer (``buffer-<v>.json``) and the
-        loop's own state (``loop-<v>.json``: data order, next group id, the tasks of groups in
-        flight, counters, the fleet's cumulative counters, the admission gate's record and the
+        loop's own state (``loop-<v>.json``: data order, next group id, the groups in flight (task,
+        id, pinned replica), counters, the fleet's cumulative counters, the admission gate's record and the
         autopilot's state),
         taken together under the lock; and the policy as an HF checkpoint ``hf/step-<v>``
         (``weights``: the trainer's export at this version, if the caller has it)."""
@@ -709,7 +714,7 @@ class AsyncOrchestrator(abc.ABC):
             buffer = self.buffer.snapshot()
             loop = {
                 "version": v, "next_gid": self._next_gid, **self.tasks.state(),
-                "in_flight_tasks": [g.task.task_id for g in self.ledger.in_flight()], "counts": dict(self._counts),
+                "in_flight": [[g.task.task_id, g.group_id, g.replica] for g in self.ledger.in_flight()], "counts": dict(self._counts),
                 "fleet": self.fleet.counters_state(), "admission": self.supervisor.state(), "chaos": self.chaos_ledger.state(),
                 "routing": self.router.state() if self.router is not None else {},
             }
@@ -720,11 +725,13 @@ class AsyncOrchestrator(abc.ABC):
 
     def _restore_loop_state(self, state: Mapping[str, Any]) -> None:
         """Continue from :meth:`_snapshot_state`'s record: the data order where it was, group ids
-        after the last one used, the counters, and the tasks whose groups were in flight first."""
+        after the last one used, the counters, and the groups that were in flight first (their ids and
+        pins kept)."""
         self.tasks.restore(state)
         self._next_gid = int(state["next_gid"])
         self._counts.update({k: int(v) for k, v in state["counts"].items() if k in self._counts})
-        self._carried_over = [self.tasks.resolve(t) for t in state["in_flight_tasks"]]
+        in_flight = state.get("in_flight", [[t, None, None] for t in state.get("in_flight_tasks", [])])  # older: tasks only
+        self._carried_over = [(self.tasks.resolve(t), gid, replica) for t, gid, replica in in_flight]
         self.chaos_ledger.restore(state.get("chaos", {}))
         self.fleet.restore_counters(state["fleet"])
         self.supervisor.restore(state["admission"])

@@ -857,7 +857,9 @@ class Fleet:
         while self._queue:
             job = self._queue[0]
             pinned = self._by_key.get(job.pinned) if job.pinned else None
-            if pinned is not None and pinned.alive and (self.shares is None or self.shares[pinned.pool.name] > 0):
+            # a pin is honoured whatever the shares: the schedule pinned it under the shares of its
+            # submission (a group carried over a resume keeps the pin it had before the shares changed)
+            if pinned is not None and pinned.alive:
                 pinned.assigned.append(self._queue.popleft())
                 self._cond.notify_all()
                 continue
