@@ -4,6 +4,7 @@ lockstep schedule's pinning, its config, the router between the loop's records a
 the E5 grid; slow: a tiny paced mixed-fleet run whose metrics show its decisions, and a lockstep
 autopilot run killed and resumed that repeats the uninterrupted one."""
 
+import dataclasses
 import json
 import logging
 import math
@@ -110,6 +111,20 @@ def test_among_in_budget_pools_the_cheaper_per_useful_token_gets_more_weight():
     # price and speed: a pool twice the price per token gets 1/4 of the weight at sharpness 2
     d = Autopilot(CFG).decide([reading("cheap", price=1.0), reading("dear", price=4.0, tokens_per_s=2000.0)])
     assert d.shares["cheap"] / d.shares["dear"] == pytest.approx(4.0)
+
+
+def test_a_pool_not_yet_measured_is_costed_in_the_measured_pools_units():
+    """A pool that has generated nothing is costed at its modelled rate x the measured pools'
+    measured / modelled ratio: modelled rates (the catalogue's, here 1000 tok/s per H100) against
+    this machine's measured ones (here 10x lower) would make it look 10x cheaper per token."""
+    def measured(name, price):  # modelled 1000 tok/s, measured 100
+        return dataclasses.replace(reading(name, price=price), tokens=100.0, busy_s=1.0)
+    fresh = dataclasses.replace(reading("new", price=2.0, k3=None), tokens=0.0, busy_s=0.0)
+    d = Autopilot(CFG).decide([measured("a", 2.0), measured("b", 4.0), fresh])
+    assert d.cost_per_useful_token["new"] == pytest.approx(d.cost_per_useful_token["a"])  # same price, same rate
+    assert d.shares["new"] == pytest.approx(d.shares["a"]) and d.shares["b"] == pytest.approx(d.shares["a"] / 4)
+    alone = Autopilot(CFG).decide([fresh])  # nothing measured: the modelled rate as it is
+    assert alone.cost_per_useful_token["new"] == pytest.approx(2.0 / 3600 / 1000)
 
 
 def test_with_equal_costs_the_shares_are_the_capacity_shares():

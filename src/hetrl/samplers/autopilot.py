@@ -10,7 +10,8 @@ its capacity rule (:meth:`hetrl.samplers.fleet.Fleet.set_shares`).
 step's mismatch over its trained tokens (``k3``, ``masked_frac/any``, ``ess``; a step without
 tokens of the pool leaves them unchanged) and of its dropped fraction (groups the staleness bound
 dropped / groups returned, over the step); throughput is its generated tokens / busy seconds
-(before any, the modelled rate).
+(before any, its modelled rate scaled to the measured pools' units: the median measured /
+modelled ratio of the pools that have generated).
 
 **Cost per useful token** of a pool: ``price_per_s / (tokens_per_s x (1 - masked) x (1 - dropped))``
 (per replica; a pool producing nothing useful costs infinity).
@@ -45,6 +46,7 @@ reproducibly; :meth:`Autopilot.state` / :meth:`Autopilot.restore` carry it over 
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -159,8 +161,20 @@ class Autopilot:
             ratios.append((1.0 - figures["ess"]) / (1.0 - c.min_ess))
         return max(ratios, default=0.0)
 
-    def _cost(self, r: PoolReading, figures: Mapping[str, float]) -> float:
-        rate = r.tokens / r.busy_s if r.busy_s > 0 and r.tokens > 0 else r.modelled_tokens_per_s
+    @staticmethod
+    def _rates(readings: Sequence[PoolReading]) -> dict[str, float]:
+        """Each pool's tokens per busy second; a pool with none yet gets its modelled rate in the
+        measured pools' units: ``modelled x median(measured / modelled)`` over the pools measured
+        (the modelled rate alone while none is). Modelled rates are the catalogue's and measured
+        ones this machine's, so comparing them raw would make an unmeasured pool look cheap or dear
+        by their ratio, not by its price."""
+        measured = {r.pool: r.tokens / r.busy_s for r in readings if r.busy_s > 0 and r.tokens > 0}
+        units = [measured[r.pool] / r.modelled_tokens_per_s for r in readings if r.pool in measured]
+        scale = statistics.median(units) if units else 1.0
+        return {r.pool: measured.get(r.pool, r.modelled_tokens_per_s * scale) for r in readings}
+
+    @staticmethod
+    def _cost(r: PoolReading, rate: float, figures: Mapping[str, float]) -> float:
         useful = rate * (1.0 - figures.get("masked_fraction", 0.0)) * (1.0 - figures.get("dropped_fraction", 0.0))
         return r.price_per_hour_usd / 3600.0 / useful if useful > 0 else math.inf
 
@@ -201,7 +215,8 @@ class Autopilot:
                 changes.append(f"autopilot: every routable pool is over budget; {forced} keeps routing "
                                f"(least over budget: {ratio[forced]:.2f}x)")
         self._forced = forced
-        cost = {r.pool: self._cost(r, figures[r.pool]) for r in readings}
+        rates = self._rates(readings)
+        cost = {r.pool: self._cost(r, rates[r.pool], figures[r.pool]) for r in readings}
         shares = self._shares(readings, states, cost)
         return Decision(shares, states, cost, figures, tuple(changes))
 
