@@ -45,13 +45,32 @@ def test_a_paced_call_lasts_its_tokens_at_the_reference_rate_times_its_ratio():
         Paced(FakeSampler(SLOW), 2.0, rate)
 
 
-def test_before_the_reference_rate_is_known_a_call_lasts_its_time_over_its_ratio_but_a_first_call_is_not_held():
-    slept = []
-    slow = Paced(FakeSampler(SLOW), 0.25, ReferenceRate(), clock=_clock(0.0, 30.0, 40.0, 40.5), sleep=slept.append)
-    slow.generate(requests("i"))  # the first call pays the jit compiles: held 4x over, it would last 120 s
+def test_before_any_rate_is_known_no_call_is_held():
+    """Before ``R`` is measured a call may have paid a compile (a first call, or new shapes): held
+    ``c_ref / c`` times its own time, a slow pool's compile was multiplied 10x over."""
+    rate, slept = ReferenceRate(), []
+    slow = Paced(FakeSampler(SLOW), 0.25, rate, clock=_clock(0.0, 30.0, 40.0, 40.5, 50.0, 50.5), sleep=slept.append)
+    slow.generate(requests("i"))  # first call: compiles, not recorded
+    slow.generate(requests("j"))  # no rate before it: not held by its own time; recorded (3 tokens in 0.5 s)
     assert slept == []
-    slow.generate(requests("j"))
-    assert slept == [pytest.approx(0.5 / 0.25 - 0.5)]
+    rate.record(12, 1.0)  # a reference call: 12 tokens/s, preferred to the other replicas' 6
+    slow.generate(requests("k"))  # 3 tokens at 12 x 0.25 tokens/s: 1 s
+    assert slept == [pytest.approx(1.0 - 0.5)]
+
+
+def test_until_the_reference_has_a_call_the_other_replicas_cpu_rate_stands_in():
+    """The reference pool still compiling (or quarantined before its second call) must not leave
+    the fleet unpaced: the other replicas' unheld call times give ``R`` meanwhile."""
+    rate, slept = ReferenceRate(), []
+    other = Paced(FakeSampler(SLOW), 0.5, rate, clock=_clock(0.0, 9.0, 10.0, 10.5), sleep=slept.append)
+    other.generate(requests("a", 2))
+    other.generate(requests("b", 2))  # 6 tokens in 0.5 s: 12 tokens/s
+    assert rate.tokens_per_s() == pytest.approx(12.0) and slept == []
+    slow = Paced(FakeSampler(SLOW), 0.25, rate, clock=_clock(20.0, 20.5), sleep=slept.append)
+    slow.generate(requests("j", 2))  # 6 tokens at 12 x 0.25 tokens/s: 2 s
+    assert slept == [pytest.approx(2.0 - 0.5)]
+    rate.record(24, 1.0)  # the reference's first recorded call replaces the stand-in
+    assert rate.tokens_per_s() == pytest.approx(24.0)
 
 
 def test_pacing_ratio_is_the_throughput_ratio_to_the_fastest_pool():
@@ -76,6 +95,9 @@ def test_a_revived_replica_is_paced_too():
 def test_paced_slow_pool_serves_in_proportion_to_its_modelled_speed():
     fleet = Fleet.from_config(FleetConfig(pools=[FAST, SLOW], pacing="modelled", max_batch=1),
                               lambda p, n, i: FakeSampler(p, delay=0.01))
+    for replica in fleet.replicas:  # warm up past the first calls (compiles) and measure R, outside the metrics
+        for _ in range(2):
+            replica.sampler.generate(requests("warm-up"))
     t0 = time.monotonic()
     fleet.generate({f"g{i}": requests(f"g{i}") for i in range(20)}, timeout=30)
     wall = time.monotonic() - t0

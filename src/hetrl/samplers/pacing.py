@@ -9,11 +9,12 @@ relative throughput ``c`` (:meth:`hetrl.samplers.profiles.SamplerNumerics.relati
 in a fleet whose fastest is ``c_ref`` is modelled to decode at ``R · c / c_ref``: after a
 ``generate`` call that returned ``n`` tokens in ``t`` seconds, :class:`Paced` holds the replica
 busy (sleeps before returning) until ``n / (R · c / c_ref)`` seconds have passed since the call
-began. A call already slower than that (a compile, a CPU-bound small batch) is not held. Before
-``R`` is known (the reference's first calls), the call is held until ``c_ref / c · t``, except a
-replica's first call, which is not held: it pays the jit compiles, and held ``c_ref / c`` times
-over (over 10x for the slow pools of ``tiny_mixed``) a slow pool's first call outlasted a 40-step
-run. So
+began. A call already slower than that (a compile, a CPU-bound small batch) is not held, and
+neither is a call before ``R`` is known (held to its own time ``x c_ref / c`` instead, a call that
+paid a compile, a replica's first or a later one meeting new shapes, was held that compile over
+10 times over for the slow pools of ``tiny_mixed`` and outlasted a 40-step run). Until a reference
+replica has recorded a call, the other replicas' CPU rate stands in for ``R`` (see
+:class:`ReferenceRate`; a call is held by the rate before it, never by its own time). So
 per-pool decode rates, queueing and the staleness of each pool's rollouts follow the catalogue,
 and time is modelled per token as in the fleet's ``modelled`` cost clock and the simulator
 (:mod:`hetrl.fleet_sim`).
@@ -32,22 +33,30 @@ __all__ = ["ReferenceRate", "Paced"]
 
 
 class ReferenceRate:
-    """The reference replicas' measured decode rate: tokens / seconds summed over their calls
-    (each replica's first call left out). Thread-safe."""
+    """The reference decode rate ``R``: tokens / seconds summed over the reference replicas' calls
+    (each replica's first call left out: it compiles). Until a reference call is recorded (the
+    reference pool still compiling, or quarantined before its second call) ``R`` is the same
+    figure over the other replicas' own (unheld) call times: every embedded replica runs the
+    same model on this CPU, so their CPU rate stands in for the reference's; without it the
+    fleet ran unpaced for as long as its reference was out. Thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._tokens, self._seconds = 0, 0.0
+        self._totals = {True: [0, 0.0], False: [0, 0.0]}  # reference? -> [tokens, seconds]
 
-    def record(self, tokens: int, seconds: float) -> None:
+    def record(self, tokens: int, seconds: float, *, reference: bool = True) -> None:
         with self._lock:
-            self._tokens += tokens
-            self._seconds += seconds
+            total = self._totals[reference]
+            total[0] += tokens
+            total[1] += seconds
 
     def tokens_per_s(self) -> float | None:
-        """The rate, or None before any call was recorded."""
+        """The reference replicas' rate, else the other replicas', or None before any call."""
         with self._lock:
-            return self._tokens / self._seconds if self._seconds > 0 and self._tokens > 0 else None
+            for tokens, seconds in (self._totals[True], self._totals[False]):
+                if tokens > 0 and seconds > 0:
+                    return tokens / seconds
+            return None
 
 
 class Paced(Slow):
@@ -73,16 +82,10 @@ class Paced(Slow):
         out = self.inner.generate(requests)
         elapsed = self._clock() - start
         tokens = sum(int(g.token_ids.shape[0]) for g in out)
+        rate = self.rate.tokens_per_s()  # before this call is recorded: a call is never held by its own time
         self._calls += 1
-        if self.is_reference:
-            if self._calls > 1:
-                self.rate.record(tokens, elapsed)
-            return out
-        rate = self.rate.tokens_per_s()
-        if rate is not None:
-            target = tokens / (rate * self.ratio)
-        else:  # scale this call's own time, but never a first call's (the jit compiles)
-            target = elapsed / self.ratio if self._calls > 1 else elapsed
-        if target > elapsed:
-            self._sleep(target - elapsed)
+        if self._calls > 1:
+            self.rate.record(tokens, elapsed, reference=self.is_reference)
+        if not self.is_reference and rate is not None and tokens / (rate * self.ratio) > elapsed:
+            self._sleep(tokens / (rate * self.ratio) - elapsed)
         return out
