@@ -319,10 +319,10 @@ def _wait_until(condition, timeout: float = 120.0) -> None:
 def test_hetrl_train_runs_a_mixed_fleet_and_survives_the_server_dying(model_dir, tmp_path):
     """`hetrl train` on configs/tiny_mixed_sglang.yaml (three embedded pools and an SGLang pool):
     the SGLang pool's rollouts are trained on and its server loads every new version; then the
-    server is killed after step 3 and training continues on the embedded pools to step 6."""
+    server is killed after step 2 and training continues on the embedded pools to step 4."""
     srv = SGLangServer(model_dir, log_path=tmp_path / "server.log").start()
     out = tmp_path / "run"
-    sets = [f"output_dir={out}", "steps=6", QUIET, NO_EVAL,
+    sets = [f"output_dir={out}", "steps=4", QUIET, NO_EVAL,
             f'fleet.pools[3].endpoints=["{srv.url}"]', "fleet.pools[3].server.retries=1",
             "fleet.pools[3].server.backoff_s=0.05"]
     cmd = [sys.executable, "-m", "hetrl.cli", "train", str(ROOT / "configs" / "tiny_mixed_sglang.yaml")]
@@ -340,7 +340,7 @@ def test_hetrl_train_runs_a_mixed_fleet_and_survives_the_server_dying(model_dir,
         with open(tmp_path / "train.log", "w") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
             try:
-                _wait_until(lambda: steps_done() >= 3 or proc.poll() is not None, timeout=900)
+                _wait_until(lambda: steps_done() >= 2 or proc.poll() is not None, timeout=900)
                 srv.kill()
                 rc = proc.wait(timeout=900)
             finally:
@@ -350,7 +350,7 @@ def test_hetrl_train_runs_a_mixed_fleet_and_survives_the_server_dying(model_dir,
     assert rc == 0, (tmp_path / "train.log").read_text()[-4000:]
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     steps = [r for r in rows if "loss" in r]
-    assert steps[-1]["step"] == 6
+    assert steps[-1]["step"] == 4
     assert sum(r.get("batch/pool/h100-sglang/groups", 0) for r in steps) > 0  # its rollouts were trained on
     last = steps[-1]
     assert last["pool/h100-sglang/replicas_alive"] == 0 and last["pool/h100-sglang/errors"] == 1
