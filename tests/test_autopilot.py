@@ -295,8 +295,9 @@ def test_the_e5_grid_is_valid_and_compares_the_rented_time_cost(capsys):
 
     assert main(["experiment", "experiment_e5.yaml", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "9 runs of 3 arms, every config valid" in out
-    assert out.count("fleet.pacing=\"modelled\"") == 9 and out.count("fleet.routing=\"autopilot\"") == 3
+    assert "12 runs of 4 arms, every config valid" in out
+    assert out.count("fleet.pacing=\"modelled\"") == 12 and out.count("fleet.routing=\"autopilot\"") == 6
+    assert out.count("fleet.autopilot.max_masked_fraction=0.5") == 3
     config, _ = load_experiment("experiment_e5.yaml")
     e3 = config.analyses.e3
     assert (e3.clock, e3.measure, e3.claimed_cost_ratio) == ("rented", "rented_usd_per_mtok", 0.8)

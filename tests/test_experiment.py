@@ -433,9 +433,11 @@ def test_hetrl_experiment_end_to_end_on_a_tiny_grid(tmp_path, monkeypatch, capsy
     assert "runs: 0 trained, 2 already complete, 0 failed" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("committed, quick", [("default", False), ("default-quick", True)])
-def test_the_committed_report_is_re_derived_from_its_raw_metrics(tmp_path, monkeypatch, capsys, committed, quick):
-    """`hetrl experiment configs/experiment_default.yaml [--quick] --out <a copy of docs/results/...>`
+@pytest.mark.parametrize("committed, grid, quick", [("default", "experiment_default", False),
+                                                     ("default-quick", "experiment_default", True),
+                                                     ("e5", "experiment_e5", False)])
+def test_the_committed_report_is_re_derived_from_its_raw_metrics(tmp_path, monkeypatch, capsys, committed, grid, quick):
+    """`hetrl experiment configs/<grid>.yaml [--quick] --out <a copy of docs/results/...>`
     trains nothing and writes the committed REPORT.md and measures.json again from the per-run
     metrics beside them: every quoted figure comes from those files with this code (only the
     report's command line and date differ)."""
@@ -445,10 +447,10 @@ def test_the_committed_report_is_re_derived_from_its_raw_metrics(tmp_path, monke
     out = tmp_path / committed
     shutil.copytree(source, out)
     monkeypatch.chdir(REPO)  # the report names the grid config as the command line gave it
-    argv = ["experiment", "configs/experiment_default.yaml", *(["--quick"] if quick else []),
+    argv = ["experiment", f"configs/{grid}.yaml", *(["--quick"] if quick else []),
             "--out", str(out), "--jobs", "1", "--no-progress"]
     assert main(argv) == 0, capsys.readouterr()
-    runs = len(build_plan(*load_experiment(REPO / "configs" / "experiment_default.yaml", quick=quick)).runs)
+    runs = len(build_plan(*load_experiment(REPO / "configs" / f"{grid}.yaml", quick=quick)).runs)
     assert f"runs: 0 trained, {runs} already complete, 0 failed" in capsys.readouterr().out
 
     def content(path: pathlib.Path) -> list[str]:
