@@ -94,9 +94,11 @@ def test_a_revived_replica_is_paced_too():
 
 def test_paced_slow_pool_serves_in_proportion_to_its_modelled_speed():
     fleet = Fleet.from_config(FleetConfig(pools=[FAST, SLOW], pacing="modelled", max_batch=1),
-                              lambda p, n, i: FakeSampler(p, delay=0.01))
-    for replica in fleet.replicas:  # warm up past the first calls (compiles) and measure R, outside the metrics
-        for _ in range(2):
+                              lambda p, n, i: FakeSampler(p, delay=0.05))
+    # warm up past the first calls (compiles) and measure R over several calls (one call late on a loaded
+    # machine would set R for the first held calls), outside the metrics
+    for replica in fleet.replicas:
+        for _ in range(5 if replica.sampler.is_reference else 2):
             replica.sampler.generate(requests("warm-up"))
     t0 = time.monotonic()
     fleet.generate({f"g{i}": requests(f"g{i}") for i in range(20)}, timeout=30)
