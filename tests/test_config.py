@@ -77,7 +77,7 @@ def test_real_cluster_examples():
     assert isinstance(mega.trainer, MegatronTrainerConfig) and mega.trainer.mesh.tensor == 2
     assert {p.engine for p in mega.fleet.pools} == {"sglang"} and mega.model.path
     tpu = load_config("qwen3_tpu_jax.yaml")
-    assert isinstance(tpu.trainer, JaxTrainerConfig) and tpu.trainer.distributed.auto
+    assert isinstance(tpu.trainer, JaxTrainerConfig) and tpu.trainer.mesh.tensor == 4
     assert {p.engine for p in tpu.fleet.pools} == {"sglang-jax"}
 
 
@@ -122,8 +122,8 @@ def test_switching_the_trainer_keeps_every_shared_setting():
     ("qwen3_b200_megatron.yaml", ["trainer.mesh.pipeline=2"], "does not run pipeline stages yet"),
     ("qwen3_b200_megatron.yaml", ["trainer.kind=jax"],
      "trainer.distributed_optimizer: 'distributed_optimizer' is a setting of the 'megatron' trainer only"),
-    ("qwen3_tpu_jax.yaml", ["trainer.kind=megatron"],
-     "trainer.distributed: 'distributed' is a setting of the 'jax' trainer only: the 'megatron' trainer cannot"),
+    ("qwen3_tpu_jax.yaml", ["trainer.distributed={auto: true}", "trainer.kind=megatron"],
+     "trainer.distributed={auto: true}: 'distributed' is a setting of the 'jax' trainer only: the 'megatron' trainer cannot"),
     ("tiny_mixed.yaml", ["trainer.mesh.pipeline=2"], "the JAX trainer has no pipeline parallelism"),
 ])
 def test_a_setting_the_trainer_cannot_honour_is_refused_by_name(config, overrides, message):

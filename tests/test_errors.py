@@ -26,10 +26,10 @@ from tiny_run import NO_EVAL, QUIET, TINY_MODEL, set_args
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHIPPED = sorted(p.name for p in CONFIG_DIR.glob("*.yaml") if not p.name.startswith("experiment_"))  # run configs
-REFUSED = {  # the real-cluster examples, until multi-rank training lands: what --dry-run must say
+REFUSED = {  # the real-cluster examples on this machine: what --dry-run must say (tests/test_examples.py runs them at tiny scale)
     "qwen3_b200_megatron.yaml": ["model.path: /shared/models/Qwen3-8B does not exist"],
-    "qwen3_tpu_jax.yaml": ["trainer.mesh: data 1 x fsdp -1 x tensor 4 needs a multiple of 4 devices",
-                           "trainer.distributed: multi-process start-up of the JAX trainer", "output_dir: 'gs://"],
+    "qwen3_tpu_jax.yaml": ["trainer.mesh: data 1 x fsdp -1 x tensor 4 needs a multiple of 4 devices and the trainer has",
+                           "model.path: /mnt/models/Qwen3-8B does not exist"],
 }
 
 
@@ -132,9 +132,15 @@ def test_a_trainer_mesh_that_does_not_fill_world_size_is_refused_by_dry_run(caps
     assert "9 rollouts (batch_groups x group_size) do not split evenly over 2 data-parallel trainer ranks" in line
     line = _one_line_error(capsys, [*base, "--set", "trainer.world_size=2", "--set", "backend=ray"])
     assert "trainer.world_size: 2 trainer ranks run on the local backend only so far" in line
-    line = _one_line_error(capsys, ["train", "tiny_homogeneous.yaml", "--dry-run", "--set", "trainer.world_size=2"])
-    assert "trainer.world_size: the loop runs the JAX trainer as one process so far" in line
     assert main(base) == 0
+    jax_base = ["train", "tiny_homogeneous.yaml", "--dry-run", "--set", "trainer.world_size=2"]
+    assert main(jax_base) == 0  # two JAX processes
+    line = _one_line_error(capsys, [*jax_base, "--set", "trainer.mesh={data: 1, fsdp: 1, tensor: 3}"])
+    assert "needs 3 devices and the trainer has 2 (2 process(es) x 1 cpu devices)" in line
+    line = _one_line_error(capsys, [*jax_base, "--set", "trainer.distributed={auto: true}"])
+    assert "trainer.distributed: the loop starts the JAX trainer's processes itself" in line
+    line = _one_line_error(capsys, [*base[:-1], "--dry-run", "--set", "output_dir=gs://bucket/run"])
+    assert "output_dir: 'gs://bucket/run' is a URL" in line  # refused by name, never a local folder named gs:
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))

@@ -10,7 +10,7 @@ import pytest
 from hetrl.envs.tasks_synthetic import SuiteConfig, synthetic_suite
 from hetrl.orchestrator.ledger import GroupLedger, GroupSpec
 from hetrl.orchestrator.loop import RunResult
-from hetrl.orchestrator.tasks import TaskSource
+from hetrl.orchestrator.tasks import NoTaskFits, TaskSource
 
 SUITE = synthetic_suite(SuiteConfig(seed=0, max_per_tier=20))
 
@@ -57,6 +57,23 @@ def test_the_task_source_resolves_a_task_of_any_pass():
     assert src.resolve(first[3].task_id) == first[3]  # pass 0 rebuilt from the suite
     with pytest.raises(KeyError):
         src.resolve("no-such-task@1")
+
+
+def test_tasks_whose_prompt_does_not_fit_are_skipped_once_each_pass_and_none_fitting_is_an_error(caplog):
+    lengths = sorted(len(_prompt_ids(t)) for t in SUITE.train)
+    limit = lengths[len(lengths) // 2]  # about half the tasks fit
+    fits = lambda prompt: prompt.shape[0] <= limit
+    too_long = {t.task_id for t in SUITE.train if not fits(_prompt_ids(t))}  # of pass 0
+    assert 0 < len(too_long) < len(SUITE.train)
+    plain, src = _source(seed=5), TaskSource(SUITE, np.random.default_rng(5), _prompt_ids, fits)
+    drawn = [src.next() for _ in range(len(SUITE.train) - len(too_long))]  # pass 0's tasks that fit
+    first_pass = [plain.next().task_id for _ in range(len(SUITE.train))]
+    assert [t.task_id for t in drawn] == [i for i in first_pass if i not in too_long]  # its order, overlong left out
+    assert src.overlong <= too_long
+    assert fits(src.prompt(src.next())) and src.passes == 2 and too_long <= src.overlong  # pass 0 used up
+    assert sum("skipped" in m for m in caplog.messages) == len(src.overlong)  # one warning per task
+    with pytest.raises(NoTaskFits, match="lower async.max_new_tokens"):
+        TaskSource(SUITE, np.random.default_rng(0), _prompt_ids, lambda prompt: False).next()
 
 
 def test_the_data_order_continues_from_its_state():

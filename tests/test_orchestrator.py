@@ -172,6 +172,42 @@ def test_chaos_drill_loses_nothing_and_a_stop_request_ends_at_a_checkpoint(tmp_p
     assert result.final["chaos_poisoned"] >= 1 and result.history[-1]["admission/rejected"] >= 1
 
 
+def test_a_held_out_task_whose_prompt_does_not_fit_is_unsolved_and_never_generated(tmp_path):
+    from hetrl.orchestrator.evaluation import evaluate_tasks
+
+    build_tiny_checkpoint(tmp_path, TINY_QWEN3, seed=0)
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    chat = ChatFormat.from_tokenizer(tok)
+    tasks = synthetic_suite().heldout[:4]
+    probe = EpisodeRunner(chat, tok.decode, lambda: CodingEnv(), max_new_tokens=4, max_length=10_000,
+                          vocab_size=TINY_QWEN3.vocab_size, stop_token_ids=(chat.im_end_id,))
+    lengths = [len(probe.prompt_ids(t)) for t in tasks]
+    longest = int(np.argmax(lengths))
+    assert lengths.count(lengths[longest]) == 1
+    room = 400  # new tokens: more than any reference answer takes
+    runner = EpisodeRunner(chat, tok.decode, lambda: CodingEnv(), max_new_tokens=room, max_length=lengths[longest] + room - 1,
+                           vocab_size=TINY_QWEN3.vocab_size, stop_token_ids=(chat.im_end_id,))
+    info = SamplerInfo(pool="p", accelerator="h100", weight_precision="bf16", kv_precision="bf16", engine="embedded")
+    seen: list[str] = []
+
+    class Answering:  # answers every request with the task's canonical solution, as a perfect policy would
+        def generate(self, requests):
+            out = []
+            for r in requests:
+                seen.append(r.request_id)
+                task = tasks[int(r.request_id.split("-")[1].split("/")[0])]
+                ids = np.asarray(tok.encode(task.reference).ids + [chat.im_end_id], np.int32)
+                out.append(Generation(r.request_id, ids, np.full(len(ids), -1.0, np.float32),
+                                      np.zeros(len(ids), np.int64), "stop", None, info))
+            return out
+
+    episodes: list[dict] = []
+    scores = evaluate_tasks(runner, Answering(), tasks, SamplingParams(), prefix="e", episodes=episodes)
+    assert len(seen) == len(tasks) - 1 and not any(s.startswith(f"e-{longest}/") for s in seen)
+    assert [e["success"] for e in episodes] == [i != longest for i in range(len(tasks))]
+    assert scores["success"] == (len(tasks) - 1) / len(tasks) and scores["tasks"] == len(tasks)
+
+
 def test_malformed_generations_are_rejected_not_raised(tmp_path):
     build_tiny_checkpoint(tmp_path, TINY_QWEN3, seed=0)
     tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))

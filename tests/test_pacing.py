@@ -87,7 +87,7 @@ def test_pacing_ratio_is_the_throughput_ratio_to_the_fastest_pool():
 def test_a_revived_replica_is_paced_too():
     fleet = Fleet.from_config(FleetConfig(pools=[FAST, SLOW], pacing="modelled"), lambda p, n, i: FakeSampler(p))
     slow = fleet.replicas[1]
-    fleet._fail(slow)
+    fleet._fail(slow, RuntimeError("killed by the test"))
     assert fleet.revive(slow, FakeSampler(SLOW))
     assert isinstance(slow.sampler, Paced) and slow.sampler.ratio < 1 / 8
 

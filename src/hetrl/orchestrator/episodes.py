@@ -87,6 +87,12 @@ class EpisodeRunner:
         obs = self.env_factory().reset(task)
         return np.asarray(self.chat.encode(obs.messages, add_generation_prompt=True), np.int32)
 
+    def fits(self, prompt: np.ndarray) -> bool:
+        """Whether ``prompt`` leaves room for ``max_new_tokens`` within ``max_length`` (a prompt
+        that does not cannot be generated from: the task is skipped, as verl's
+        ``filter_overlong_prompts`` does)."""
+        return prompt.shape[0] + self.max_new_tokens <= self.max_length
+
     def requests(self, request_prefix: str, prompt: np.ndarray, n: int, sampling: SamplingParams) -> list[GenerationRequest]:
         """``n`` requests ``<prefix>/<i>`` for the first turn."""
         return [GenerationRequest(f"{request_prefix}/{i}", prompt, sampling, self.max_new_tokens, self.stop_token_ids)

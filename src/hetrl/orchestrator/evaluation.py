@@ -6,8 +6,9 @@ For tasks ``T_1..T_n`` each episode is played to the end by :meth:`EpisodeRunner
     success = (1/n) Σ_i [all hidden tests of T_i pass on the final answer]
     reward  = (1/n) Σ_i R_i                      (the environment's reward)
 
-also per tier (``success/tier<k>``) when tasks carry one. Episodes whose environment failed
-count as unsolved with reward 0, so the denominator is always ``n``.
+also per tier (``success/tier<k>``) when tasks carry one. Episodes whose environment failed, and
+tasks whose prompt does not fit the model with room for the generation (not generated from,
+:meth:`EpisodeRunner.fits`), count as unsolved with reward 0, so the denominator is always ``n``.
 
 :func:`pass_at_k` is the unbiased estimator of pass@k (Chen et al. 2021, *Evaluating Large
 Language Models Trained on Code*): with ``n`` episodes of a task of which ``c`` solved it,
@@ -72,20 +73,23 @@ def evaluate_tasks(runner: EpisodeRunner, sampler: Sampler, tasks: Sequence[Task
             raise Stopped("an evaluation")
         chunk = tasks[start: start + batch]
         prompts = [runner.prompt_ids(t) for t in chunk]
-        requests = [runner.requests(f"{prefix}-{start + i}", p, 1, sampling)[0] for i, p in enumerate(prompts)]
-        firsts = list(sampler.generate(requests))
+        playable = [i for i, p in enumerate(prompts) if runner.fits(p)]
+        requests = [runner.requests(f"{prefix}-{start + i}", prompts[i], 1, sampling)[0] for i in playable]
+        firsts = dict(zip(playable, sampler.generate(requests) if requests else []))
 
         def play(i: int):
             return runner.run_group(f"{prefix}-{start + i}", chunk[i], prompts[i], [firsts[i]], sampling, continue_fn)
 
         with ThreadPoolExecutor(max(1, workers)) as pool:
-            outs = list(pool.map(play, range(len(chunk))))
-        for task, prompt, first, out in zip(chunk, prompts, firsts, outs):
-            solved.append(bool(out.solved and out.solved[0]))
-            rewards.append(float(out.rollouts[0].reward) if out.rollouts else 0.0)
+            outs = dict(zip(playable, pool.map(play, playable)))
+        for i, (task, prompt) in enumerate(zip(chunk, prompts)):
+            out = outs.get(i)
+            solved.append(bool(out is not None and out.solved and out.solved[0]))
+            rewards.append(float(out.rollouts[0].reward) if out is not None and out.rollouts else 0.0)
             tiers.append(getattr(task, "tier", None))
             if episodes is not None:
-                response = out.rollouts[0].response_ids.tolist() if out.rollouts else first.token_ids.tolist()
+                response = (out.rollouts[0].response_ids.tolist() if out is not None and out.rollouts
+                            else firsts[i].token_ids.tolist() if i in firsts else [])
                 episodes.append({"task_id": task.task_id, "prompt": runner.decode(prompt.tolist()),
                                  "completion": runner.decode(response), "reward": rewards[-1], "success": solved[-1]})
         if progress is not None:

@@ -586,7 +586,7 @@ class AsyncOrchestrator(abc.ABC):
                                                 Driver(self._top_up, self._finish_group, self._start_worker), cfg.seed)
         self._lock = threading.RLock()
         self._stop = threading.Event()
-        self.tasks = TaskSource(self.suite, np.random.default_rng(cfg.seed), self.runner.prompt_ids)
+        self.tasks = TaskSource(self.suite, np.random.default_rng(cfg.seed), self.runner.prompt_ids, self.runner.fits)
         self.ledger = GroupLedger(self.buffer.pending_ids())  # a resumed buffer's groups are live
         self._next_gid = 0
         self._counts = {k: 0 for k in ("rollouts_valid", "rollouts_rejected", "groups_rejected", "groups_rerouted",

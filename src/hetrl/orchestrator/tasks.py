@@ -16,6 +16,7 @@ threads) has nothing to do here; its per-element index shuffle also cost about 5
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -23,16 +24,27 @@ import numpy as np
 from hetrl.envs.base import Task
 from hetrl.envs.task_files import TaskSplits
 from hetrl.envs.tasks_synthetic import SyntheticSuite
+from hetrl.errors import UserError
 
-__all__ = ["TaskSource"]
+__all__ = ["TaskSource", "NoTaskFits"]
+
+log = logging.getLogger(__name__)
+
+
+class NoTaskFits(UserError):
+    """No train task of a whole pass has a prompt that fits the model with room for the generation."""
 
 
 class TaskSource:
     """Train tasks of ``suite`` in passes (see the module docstring), the order drawn from
-    ``rng``; ``prompt_ids(task)`` tokenizes a task's prompt (cached per current-pass task)."""
+    ``rng``; ``prompt_ids(task)`` tokenizes a task's prompt (cached per current-pass task);
+    tasks whose prompt does not pass ``fits`` are skipped."""
 
-    def __init__(self, suite: SyntheticSuite | TaskSplits, rng: np.random.Generator, prompt_ids: Callable[[Task], np.ndarray]):
-        self.suite, self._rng, self._prompt_ids = suite, rng, prompt_ids
+    def __init__(self, suite: SyntheticSuite | TaskSplits, rng: np.random.Generator, prompt_ids: Callable[[Task], np.ndarray],
+                 fits: Callable[[np.ndarray], bool] = lambda prompt: True):
+        self.suite, self._rng, self._prompt_ids, self._fits = suite, rng, prompt_ids, fits
+        self.overlong: set[str] = set()
+        """Ids of the tasks skipped so far because their prompt does not fit (base ids, without the pass)."""
         self._order: list[int] = []
         self.passes = 0
         """Passes started so far (the current one is ``passes - 1``)."""
@@ -42,12 +54,24 @@ class TaskSource:
         self._other: tuple[int, dict[str, Task]] = (-1, {})  # the last other pass rebuilt by resolve
 
     def next(self) -> Task:
-        """The next train task (a new pass starts when the current one is used up)."""
-        if not self._order:
-            self._order = [int(i) for i in self._rng.permutation(len(self.suite.train))]
-            self._start_pass(self.passes)
-            self.passes += 1
-        return self._pass[self._order.pop(0)]
+        """The next train task whose prompt fits (a new pass starts when the current one is used up)."""
+        for _ in range(2 * len(self.suite.train) + 1):  # every task of a whole pass at least once
+            if not self._order:
+                self._order = [int(i) for i in self._rng.permutation(len(self.suite.train))]
+                self._start_pass(self.passes)
+                self.passes += 1
+            task = self._pass[self._order.pop(0)]
+            prompt = self.prompt(task)
+            if self._fits(prompt):
+                return task
+            base = task.task_id.rpartition("@")[0] or task.task_id
+            if base not in self.overlong:
+                self.overlong.add(base)
+                log.warning("train task %s skipped: its prompt (%d tokens) leaves no room for the generation "
+                            "(async.max_new_tokens) within the model's positions", base, prompt.shape[0])
+        raise NoTaskFits(f"no train task's prompt fits the model with room for async.max_new_tokens "
+                         f"({len(self.overlong)} tasks skipped); lower async.max_new_tokens, use a model with more "
+                         f"positions or tasks with shorter prompts")
 
     def resolve(self, task_id: str) -> Task:
         """The train task ``task_id`` of any pass. Raises KeyError for an id no pass has."""

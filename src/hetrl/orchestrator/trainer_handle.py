@@ -72,12 +72,16 @@ class TrainerHandle(Protocol):
 def build_trainer(model_dir: str | pathlib.Path, setup: TrainerSetup) -> TrainerHandle:
     """The trainer ``setup`` describes (:class:`hetrl.trainer_jax.trainer.JaxTrainer` or
     :class:`hetrl.trainer_megatron.trainer.MegatronTrainer`), initialized from the HF
-    checkpoint in ``model_dir``."""
+    checkpoint in ``model_dir``. A JAX trainer first joins its processes when ``trainer.distributed``
+    or the environment (``HETRL_COORDINATOR``, as :mod:`hetrl.orchestrator.trainer_ranks` sets it)
+    names a coordinator."""
     if setup.settings.kind == "megatron":
         from hetrl.trainer_megatron.trainer import MegatronTrainer
 
         return MegatronTrainer.from_hf(model_dir, setup.settings, correction=setup.correction,
                                        checkpoint=setup.checkpoint, seed=setup.seed)
+    from hetrl.trainer_jax.mesh import initialize_distributed
     from hetrl.trainer_jax.trainer import JaxTrainer
 
+    initialize_distributed(setup.settings.distributed)
     return JaxTrainer.from_hf(model_dir, setup.settings, correction=setup.correction, checkpoint=setup.checkpoint)

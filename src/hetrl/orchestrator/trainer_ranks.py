@@ -1,24 +1,31 @@
 """The trainer as ``trainer.world_size`` ranks on this machine (local backend): :class:`TrainerRanks`.
 
-The loop's process is rank 0 and holds the :class:`~hetrl.orchestrator.trainer_handle.TrainerHandle`;
-ranks 1..N-1 are worker processes (``multiprocessing`` spawn) that build the same trainer
-(:func:`~hetrl.orchestrator.trainer_handle.build_trainer`, joined by ``torch.distributed`` over a
-private loopback port: gloo on CPU with the CPU shim, NCCL with CUDA, ``LOCAL_RANK`` = rank) and
-run the same call sequence in lockstep: for every handle call (``train_step``, ``logprobs``,
-``export_hf_weights``, ``save``, ``restore``, ``close``) rank 0 sends the command to every worker,
-runs it itself, then collects every worker's reply. ``version`` and ``checkpoint_steps`` are
-rank 0's (no collective). Rank 0's trainer is built and called on one thread of its own, so that
-the loop can wait on it and on the workers at once.
+Megatron: the loop's process is rank 0 and holds the trainer; ranks 1..N-1 are worker processes
+(``multiprocessing`` spawn) joined by ``torch.distributed`` over a private loopback port (gloo on
+CPU with the CPU shim, NCCL with CUDA, ``LOCAL_RANK`` = rank). JAX: every rank is a worker process
+(the loop's own JAX runs the embedded samplers as one process), joined by ``jax.distributed`` on a
+loopback coordinator at the same port (``HETRL_COORDINATOR``; each process keeps the devices the
+loop's environment gives it, e.g. ``--xla_force_host_platform_device_count``), the mesh laid over
+every process's devices. Every rank builds the same trainer
+(:func:`~hetrl.orchestrator.trainer_handle.build_trainer`) and runs the same call sequence in
+lockstep: for every handle call (``train_step``, ``logprobs``, ``export_hf_weights``, ``save``,
+``restore``, ``checkpoint_steps``, ``close``) the loop sends the command to every worker, runs it
+on its own rank 0 if it holds one, then collects every reply. Rank 0's result is the handle's;
+a worker rank 0 sends its metrics and results as JSON and its HF export as safetensors, and every
+worker reports its trainer's ``version`` with each reply. An in-process rank 0 is built and
+called on one thread of its own, so that the loop can wait on it and on the workers at once.
 
-Batches: rank 0 sends each worker the whole step batch (:meth:`RolloutBatch.to_bytes`,
+Batches: the loop sends each worker the whole step batch (:meth:`RolloutBatch.to_bytes`,
 safetensors; old log-probs as ``.npy`` without pickle) and every rank takes the rows of its
-data-parallel share, :func:`balanced_shares` of the rows' token counts (equal row counts, token
-sums as even as a greedy split makes them; tensor ranks of one data-parallel rank take the same
-rows). The trainer normalizes the loss over the global batch, so N ranks compute the 1-rank
-loss. ``logprobs`` are reassembled on rank 0 in batch order; ``train_step``'s metrics are rank
-0's (the trainer computes them over the global batch). The HF export is gathered over tensor ranks by the
-trainer; rank 0's is returned. Nothing received is unpickled: commands and replies are JSON,
-arrays safetensors / ``.npy``.
+share: Megatron, its data-parallel rank's :func:`balanced_shares` of the rows' token counts
+(equal row counts, token sums as even as a greedy split makes them; tensor ranks of one
+data-parallel rank take the same rows); JAX, the rows its process's devices own in the mesh
+(:meth:`~hetrl.trainer_jax.trainer.JaxTrainer.local_rows`, contiguous). The trainer normalizes
+the loss over the global batch, so N ranks compute the 1-rank loss. ``logprobs`` are reassembled
+in batch order; ``train_step``'s metrics are rank 0's (the trainer computes them over the global
+batch). The HF export is gathered by the trainer (over tensor ranks, or from every process);
+rank 0's is returned. Nothing received is unpickled: commands and replies are JSON, arrays
+safetensors / ``.npy``.
 
 Failure: a worker that raises replies with its traceback and exits (closing its sockets, which
 ends rank 0's pending gloo collective); a worker that dies is seen through its process sentinel.
@@ -86,8 +93,15 @@ def _from_npy(data: bytes) -> np.ndarray:
     return np.load(io.BytesIO(data), allow_pickle=False)
 
 
+def _plain(value: Any) -> Any:
+    """JSON for numpy scalars (a trainer's metrics)."""
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not sent to or from a trainer rank")
+
+
 def _send(conn: multiprocessing.connection.Connection, header: dict, *payloads: bytes) -> None:
-    conn.send_bytes(json.dumps({**header, "payloads": len(payloads)}).encode())
+    conn.send_bytes(json.dumps({**header, "payloads": len(payloads)}, default=_plain).encode())
     for p in payloads:
         conn.send_bytes(p)
 
@@ -99,6 +113,10 @@ def _receive(conn: multiprocessing.connection.Connection) -> tuple[dict, list[by
 
 # ---------------------------------------------------------------------- one rank's side of a call
 def _share(trainer: Any, batch: RolloutBatch) -> np.ndarray:
+    """The rows of ``batch`` this rank trains on (see the module docstring)."""
+    local_rows = getattr(trainer, "local_rows", None)  # JAX: the rows this process's devices own
+    if local_rows is not None:
+        return np.arange(batch.batch_size)[local_rows(batch.batch_size)]
     rank, size = trainer.data_parallel
     return balanced_shares(batch.attention_mask.sum(axis=1), size)[rank]
 
@@ -112,7 +130,7 @@ def _execute(trainer: Any, op: str, batch: RolloutBatch | None, old: np.ndarray 
     if op == "logprobs":
         rows = _share(trainer, batch)
         return rows, trainer.logprobs(batch.select(rows))
-    if op in ("export_hf_weights", "save", "restore", "close"):
+    if op in ("export_hf_weights", "save", "restore", "checkpoint_steps", "close"):
         return getattr(trainer, op)(**kwargs)
     raise ValueError(f"unknown trainer command {op!r}")
 
@@ -124,8 +142,36 @@ def _exit_with_parent() -> None:
 
 
 def _rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """How rank ``rank`` finds the others: ``torch.distributed``'s variables and the JAX
+    coordinator's (:func:`hetrl.trainer_jax.mesh.initialize_distributed`)."""
     return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "HETRL_COORDINATOR": f"127.0.0.1:{port}",
+            "HETRL_NUM_PROCESSES": str(world_size), "HETRL_PROCESS_ID": str(rank)}
+
+
+def _reply(conn: multiprocessing.connection.Connection, rank: int, op: str, result: Any, version: int) -> None:
+    """Send ``op``'s ``result`` (log-probs as ``.npy``; the HF export as safetensors, from rank 0
+    only; anything else as JSON) with the trainer's ``version``."""
+    header = {"ok": True, "version": version}
+    if op == "logprobs":
+        _send(conn, header, _npy(result[0]), _npy(result[1]))
+    elif op == "export_hf_weights":
+        from safetensors.numpy import save
+
+        _send(conn, header, *([save({k: np.ascontiguousarray(v) for k, v in result.items()})] if rank == 0 else []))
+    else:
+        _send(conn, {**header, "result": result})
+
+
+def _decode(op: str, header: dict, payloads: list[bytes]) -> Any:
+    """A worker rank 0's result of ``op`` from its reply (inverse of :func:`_reply`)."""
+    if op == "logprobs":
+        return _from_npy(payloads[0]), _from_npy(payloads[1])
+    if op == "export_hf_weights":
+        from safetensors.numpy import load
+
+        return load(payloads[0])
+    return header["result"]
 
 
 def _worker_main(conn: multiprocessing.connection.Connection, rank: int, world_size: int, port: int,
@@ -137,17 +183,13 @@ def _worker_main(conn: multiprocessing.connection.Connection, rank: int, world_s
     op = "start"
     try:
         trainer = build_trainer(model_dir, setup)
-        _send(conn, {"ok": True})
+        _send(conn, {"ok": True, "version": trainer.version})
         while True:
             header, payloads = _receive(conn)
             op = header["op"]
             batch = RolloutBatch.from_bytes(payloads[0]) if header["batch"] else None
             old = _from_npy(payloads[1]) if header["old"] else None
-            result = _execute(trainer, op, batch, old, header["kwargs"])
-            if op == "logprobs":
-                _send(conn, {"ok": True}, _npy(result[0]), _npy(result[1]))
-            else:
-                _send(conn, {"ok": True, "result": result if op in ("save", "restore") else None})
+            _reply(conn, rank, op, _execute(trainer, op, batch, old, header["kwargs"]), trainer.version)
             if op == "close":
                 return
     except EOFError:  # rank 0 is gone
@@ -190,10 +232,12 @@ class _Rank0Thread:
 
 class TrainerRanks:
     """A :class:`TrainerHandle` over ``setup.settings.world_size`` trainer ranks on this machine
-    (see the module docstring): rank 0 in this process, the others in worker processes."""
+    (see the module docstring): Megatron's rank 0 in this process, every other rank (JAX: every
+    rank) in a worker process."""
 
     def __init__(self, model_dir: str | pathlib.Path, setup: TrainerSetup):
         self.world_size = setup.settings.world_size
+        self._first_worker = 1 if setup.settings.kind == "megatron" else 0
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
@@ -201,8 +245,9 @@ class TrainerRanks:
         self._conns: list[multiprocessing.connection.Connection] = []
         self._procs: list[multiprocessing.process.BaseProcess] = []
         self._failed: str | None = None
+        self._version = 0
         self._lock = threading.Lock()
-        for rank in range(1, self.world_size):
+        for rank in range(self._first_worker, self.world_size):
             ours, theirs = context.Pipe()
             # not daemonic: dist_checkpointing's save starts a process of its own in every rank
             proc = context.Process(target=_worker_main, name=f"hetrl-trainer-rank-{rank}",
@@ -212,10 +257,10 @@ class TrainerRanks:
             self._conns.append(ours)
             self._procs.append(proc)
         atexit.register(self._stop_workers)  # before multiprocessing's own exit hook joins them
-        self._rank0 = _Rank0Thread()
+        self._rank0 = _Rank0Thread() if self._first_worker else None
 
         def build() -> TrainerHandle:
-            saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+            saved = {k: os.environ.get(k) for k in _rank_environment(0, 1, 0)}
             os.environ.update(_rank_environment(0, self.world_size, port))
             try:
                 return build_trainer(model_dir, setup)
@@ -223,21 +268,25 @@ class TrainerRanks:
                 for k, v in saved.items():
                     os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
-        self._trainer: TrainerHandle = self._collect("start", self._rank0.submit(build))[0]
+        self._trainer: TrainerHandle | None = self._collect("start", self._submit(build))[0]
+
+    def _submit(self, call: Callable[[], Any]) -> Future | None:
+        """``call`` on the in-process rank 0, if there is one."""
+        return self._rank0.submit(call) if self._rank0 is not None else None
 
     # ------------------------------------------------------------------ lockstep calls
-    def _collect(self, op: str, future: Future) -> tuple[Any, list[tuple[dict, list[bytes]]]]:
-        """Wait for rank 0's ``future`` and one reply from every worker; returns rank 0's result
-        and the workers' replies (rank order). Any failure stops the ranks and raises
-        :class:`TrainerRankFailed`."""
+    def _collect(self, op: str, future: Future | None) -> tuple[Any, list[tuple[dict, list[bytes]]]]:
+        """Wait for the in-process rank 0's ``future`` (if any) and one reply from every worker;
+        returns rank 0's result and the workers' replies (rank order). Any failure stops the
+        ranks and raises :class:`TrainerRankFailed`."""
         replies: dict[int, tuple[dict, list[bytes]]] = {}
-        rank0_done = False
+        rank0_done = future is None
         while not (rank0_done and len(replies) == len(self._conns)):
             pending = [i for i in range(len(self._conns)) if i not in replies]
             watched = [self._rank0.done] if not rank0_done else []
             watched += [self._conns[i] for i in pending] + [self._procs[i].sentinel for i in pending]
             for ready in multiprocessing.connection.wait(watched):
-                if ready is self._rank0.done:
+                if self._rank0 is not None and ready is self._rank0.done:
                     self._rank0.done.recv_bytes()
                     rank0_done = True
                     if future.exception() is not None:
@@ -253,21 +302,27 @@ class TrainerRanks:
                     if isinstance(reply, str):
                         self._fail(op, reply)
                     replies[i] = reply
-        return future.result(), [replies[i] for i in range(len(self._conns))]
+        ordered = [replies[i] for i in range(len(self._conns))]
+        if future is not None:
+            return future.result(), ordered
+        header, payloads = ordered[0]
+        self._version = header.get("version", self._version)
+        return (_decode(op, header, payloads) if op != "start" else None), ordered[1:]
 
     def _reply(self, i: int) -> tuple[dict, list[bytes]] | str:
         """Worker ``i``'s reply, or why there is none (its error, or its exit), once its pipe is
         readable or its process has ended."""
+        rank = i + self._first_worker
         try:
             if self._conns[i].poll():
                 header, payloads = _receive(self._conns[i])
                 if header["ok"]:
                     return header, payloads
-                return f"rank {i + 1} raised in {header['op']}:\n{header['error']}"
+                return f"rank {rank} raised in {header['op']}:\n{header['error']}"
         except (EOFError, OSError):
             pass
         self._procs[i].join(_JOIN_S)
-        return f"rank {i + 1} exited with code {self._procs[i].exitcode}"
+        return f"rank {rank} exited with code {self._procs[i].exitcode}"
 
     def _worker_failure(self, pending: list[int], wait_s: float) -> str | None:
         """The first failure among the ``pending`` workers seen within ``wait_s`` seconds."""
@@ -309,13 +364,13 @@ class TrainerRanks:
                     _send(conn, header, *payloads)
                 except (BrokenPipeError, OSError):
                     pass  # that rank is dead: _collect reports it
-            future = self._rank0.submit(lambda: _execute(self._trainer, op, batch, old, kwargs))
-            return self._collect(op, future)
+            return self._collect(op, self._submit(lambda: _execute(self._trainer, op, batch, old, kwargs)))
 
     # ------------------------------------------------------------------ TrainerHandle
     @property
     def version(self) -> int:
-        return self._trainer.version
+        """Rank 0's trainer's version (a worker rank 0's, as of its last reply)."""
+        return self._trainer.version if self._trainer is not None else self._version
 
     def train_step(self, batch: RolloutBatch, old_logprobs: np.ndarray | None = None) -> dict[str, float]:
         return self._call("train_step", batch, None if old_logprobs is None else np.asarray(old_logprobs, np.float32))[0]
@@ -338,7 +393,9 @@ class TrainerRanks:
         return self._call("restore")[0]
 
     def checkpoint_steps(self) -> list[int]:
-        return self._trainer.checkpoint_steps()
+        if self._trainer is not None:
+            return self._trainer.checkpoint_steps()
+        return self._call("checkpoint_steps")[0]
 
     def close(self) -> None:
         """Close every rank's trainer and end the worker processes."""

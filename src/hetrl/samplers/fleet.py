@@ -630,8 +630,8 @@ class Fleet:
             health = self.health_probe(r)
             if health is not None and not health.healthy:
                 raise FleetError(f"replica {r.key} is unhealthy: {health.detail}")
-        except Exception:
-            self._fail(r)
+        except Exception as err:
+            self._fail(r, err)
             return []
         with self._cond:
             if r.in_flight:
@@ -651,10 +651,10 @@ class Fleet:
             generations = list(r.sampler.generate(requests))
             if [g.request_id for g in generations] != [q.request_id for q in requests]:
                 raise FleetError(f"replica {r.key} returned generations that do not match its requests")
-        except Exception:
+        except Exception as err:
             if self.cost_clock == "wall":
                 r.busy_s += time.monotonic() - start
-            self._fail(r)
+            self._fail(r, err)
             return []
         tokens = sum(int(g.token_ids.shape[0]) for g in generations)
         elapsed = (time.monotonic() - start if self.cost_clock == "wall"
@@ -840,8 +840,10 @@ class Fleet:
             self._epoch += 1
             self._cond.notify_all()
 
-    def _fail(self, r: Replica) -> None:
-        """Mark ``r`` dead and put its jobs back at the front of the queue, in order."""
+    def _fail(self, r: Replica, error: Exception) -> None:
+        """Mark ``r`` dead (logging ``error``, what killed it) and put its jobs back at the front
+        of the queue, in order."""
+        log.warning("replica %s failed: %s: %s", r.key, type(error).__name__, str(error).splitlines()[0] if str(error) else "")
         with self._cond:
             r.alive, r.died_at = False, time.monotonic()
             jobs = list(r.in_flight) + list(r.assigned)
