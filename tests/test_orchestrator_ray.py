@@ -162,3 +162,45 @@ def test_ray_sampler_abort_reaches_the_running_call(tmp_path):
     finally:
         ray.shutdown()
         shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_a_failed_ray_trainer_rank_ends_the_gang_with_one_error_naming_it():
+    """The others wait in a collective the failed rank never joins: the handle must not wait for
+    them, but kill every rank actor and raise one TrainerRankFailed naming the rank, then refuse."""
+    import os
+    import shutil
+    import tempfile
+
+    from hetrl.orchestrator.ray_backend import RayTrainerRanks, TrainerActor
+    from hetrl.orchestrator.trainer_ranks import TrainerRankFailed
+
+    class _RankStuckOrFailing:  # local: Ray pickles it by value (the actors cannot import the tests)
+        """A stand-in trainer rank: rank 1 fails its call, rank 0 waits as in a collective that never completes."""
+
+        def __init__(self, rank: int):
+            self.rank, self.version = rank, 0
+
+        def execute(self, op, *args, **kwargs):
+            if self.rank == 1:
+                raise ValueError(f"rank 1 broke in {op}")
+            time.sleep(600)
+
+    assert not ray.is_initialized()
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    temp = tempfile.mkdtemp(prefix="hetrl-ray-", dir="/tmp")
+    ray.init(num_cpus=1, _temp_dir=temp, include_dashboard=False)
+    try:
+        actors = [TrainerActor.remote(_RankStuckOrFailing, rank) for rank in range(2)]
+        ranks = RayTrainerRanks(actors)
+        start = time.monotonic()
+        with pytest.raises(TrainerRankFailed, match=r"failed in save \(2 ranks on Ray\): rank 1 failed: ValueError: rank 1 broke in save"):
+            ranks.save(force=True)
+        assert time.monotonic() - start < 60
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(actors[0].attribute.remote("version"), timeout=60)  # killed, not left waiting
+        with pytest.raises(TrainerRankFailed):
+            ranks.checkpoint_steps()
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)

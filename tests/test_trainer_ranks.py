@@ -128,6 +128,14 @@ def test_two_ranks_train_the_one_rank_steps(tmp_path, one_rank, layout):
 
 
 @pytest.mark.slow
+def test_two_ranks_on_the_ray_backend_train_the_one_rank_steps(tmp_path, one_rank):
+    """Data parallel 2 as two rank actors in a placement group (hetrl.orchestrator.ray_backend):
+    the same rollouts (samplers in actors, same seeds), so the same bounds against the local 1-rank run."""
+    _assert_same_steps("ray-dp2", *_train(tmp_path, "trainer.world_size=2", LAYOUTS["dp2"], "backend=ray",
+                                          "ray.num_cpus=2"), *one_rank)
+
+
+@pytest.mark.slow
 def test_two_jax_processes_train_the_one_process_steps(tmp_path):
     """The same bounds: the JAX loss is a token mean over the global batch (each process's rows
     are its devices' shards of one global array), so the two runs differ by reduction order only

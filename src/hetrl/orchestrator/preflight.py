@@ -3,7 +3,7 @@
 
 A config can be valid (every key typed and in range, :mod:`hetrl.config`) and still not runnable
 by this loop: an environment it does not run, a trainer mesh that does not fill
-``trainer.world_size`` ranks (Megatron; on the local backend) or the devices of
+``trainer.world_size`` ranks (Megatron) or the devices of
 ``trainer.world_size`` processes (JAX), a step's batch that does not split over the data-parallel ranks, a model
 path that is not there, outputs on an object store. :func:`runnable_problems` lists them;
 :func:`check_runnable` raises one :class:`~hetrl.config.ConfigError` naming them all.
@@ -19,15 +19,6 @@ from hetrl.models.resolve import check_model_path
 
 __all__ = ["runnable_problems", "check_runnable"]
 
-def _backend_problems(config: RunConfig) -> list[str]:
-    n = config.trainer.world_size
-    if n > 1 and config.backend != "local":
-        return [f"trainer.world_size: {n} trainer ranks run on the local backend only so far (the "
-                f"{config.backend!r} backend runs the trainer as one rank); set backend: local or "
-                f"trainer.world_size: 1"]
-    return []
-
-
 def _megatron_problems(config: RunConfig) -> list[str]:
     t, m = config.trainer, config.trainer.mesh
     n = t.world_size
@@ -39,7 +30,7 @@ def _megatron_problems(config: RunConfig) -> list[str]:
                 f"{'a multiple of ' if -1 in (m.data, m.fsdp, m.tensor) else ''}{fixed} trainer ranks and "
                 f"trainer.world_size is {n}; set trainer.world_size to fit the mesh (or the mesh sizes to fit "
                 f"{n} ranks: one of data, fsdp, tensor may be -1)"]
-    problems = _backend_problems(config)
+    problems = []
     rows = config.async_.batch_groups * config.async_.group_size
     if rows % data:
         problems.append(f"async: a step's {rows} rollouts (batch_groups x group_size) do not split evenly over "
@@ -52,7 +43,7 @@ def _trainer_problems(config: RunConfig) -> list[str]:
     m = t.mesh
     if t.kind == "megatron":
         return _megatron_problems(config)
-    problems = _backend_problems(config)
+    problems = []
     d = t.distributed
     if d.auto or d.coordinator_address or (d.num_processes or 1) > 1:
         problems.append("trainer.distributed: the loop starts the JAX trainer's processes itself (trainer.world_size, "

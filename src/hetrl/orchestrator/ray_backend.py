@@ -9,7 +9,14 @@ logs, and reaches the actors through two proxies with the interfaces the loop al
   sampler's optional capabilities: reseed, and abort, which reaches the running call) over an
   actor hosting :func:`build_embedded_sampler` (one per replica, and one for the held-out
   evaluation);
-* :class:`RayTrainer` (:class:`TrainerHandle`) over an actor hosting :func:`build_trainer`.
+* :class:`RayTrainer` (:class:`TrainerHandle`) over an actor hosting :func:`build_trainer`; with
+  ``trainer.world_size`` N > 1, :class:`RayTrainerRanks` over N actors hosting one
+  :class:`~hetrl.orchestrator.trainer_ranks.RankTrainer` each, placed in one placement group
+  (bundles of one CPU, and one GPU each where the cluster has N GPUs; ``PACK``: one node when it
+  fits, several otherwise), joined at rank 0's node address by ``torch.distributed`` (Megatron)
+  or ``jax.distributed`` (JAX). Every call runs on every rank; rank 0's result is the handle's
+  and log-probs are reassembled from every rank's rows. A rank that fails ends the gang: every
+  rank actor is killed and the call raises one :class:`TrainerRankFailed` naming the rank.
 
 So the semantics are those of the local backend by construction: one generate call at a time
 per replica, weights loaded between calls (versions monotone per replica), the staleness bound of
@@ -44,21 +51,25 @@ import ray
 
 from hetrl.core.schema import RolloutBatch, SamplerInfo
 from hetrl.orchestrator.loop import AsyncOrchestrator, build_embedded_sampler
+from hetrl.errors import UserError
 from hetrl.orchestrator.trainer_handle import TrainerHandle, TrainerSetup, build_trainer
+from hetrl.orchestrator.trainer_ranks import RankTrainer, TrainerRankFailed, assemble_logprobs
 from hetrl.orchestrator.transport import RayObjectStoreTransport, WeightTransport, object_ref
 from hetrl.samplers.base import Generation, GenerationRequest, Sampler, SamplerHealth
 from hetrl.samplers.profiles import SamplerNumerics
 from hetrl.stopping import reclaim_signals
 
-__all__ = ["RayOrchestrator", "RaySampler", "RayTrainer", "HostActor"]
+__all__ = ["RayOrchestrator", "RaySampler", "RayTrainer", "RayTrainerRanks", "HostActor", "TrainerActor"]
+
+PLACEMENT_TIMEOUT_S = 120.0
+"""How long the trainer ranks' placement group may wait for its resources before the run is refused."""
 
 
-@ray.remote(num_cpus=0, concurrency_groups={"signal": 1})
-class HostActor:
-    """Hosts the object ``build(*args, **kwargs)`` in this actor's process: :meth:`call` runs one
-    of its methods, :meth:`attribute` reads one attribute. Calls run one at a time, in order;
-    :meth:`signal` runs beside them (its own concurrency group), for methods meant to reach a
-    call that is running (a sampler's ``abort``)."""
+class _Host:
+    """Hosts the object ``build(*args, **kwargs)`` in an actor's process: :meth:`call` runs one
+    of its methods, :meth:`attribute` reads one attribute. Calls run one at a time, in order, on
+    the thread that built the object (what the trainers need: the megatron CPU shim's
+    torch-function mode holds per thread)."""
 
     def __init__(self, build: Callable[..., Any], *args: Any, **kwargs: Any):
         self._obj = build(*args, **kwargs)
@@ -66,12 +77,23 @@ class HostActor:
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self._obj, method)(*args, **kwargs)
 
+    def attribute(self, name: str) -> Any:
+        return getattr(self._obj, name)
+
+
+TrainerActor = ray.remote(num_cpus=0)(_Host)
+"""A :class:`_Host` actor for a trainer (or one trainer rank)."""
+
+
+@ray.remote(num_cpus=0, concurrency_groups={"signal": 1})
+class HostActor(_Host):
+    """A :class:`_Host` actor whose :meth:`signal` runs beside its calls (its own concurrency
+    group, so calls run on a thread of the default group), for methods meant to reach a call
+    that is running (a sampler's ``abort``)."""
+
     @ray.method(concurrency_group="signal")
     def signal(self, method: str) -> Any:
         return getattr(self._obj, method)()
-
-    def attribute(self, name: str) -> Any:
-        return getattr(self._obj, name)
 
 
 class RaySampler:
@@ -124,7 +146,7 @@ class RaySampler:
 
 
 class RayTrainer:
-    """:class:`TrainerHandle` over a :class:`HostActor` hosting the trainer. ``version`` is read
+    """:class:`TrainerHandle` over a :class:`TrainerActor` hosting the trainer. ``version`` is read
     from the actor once and again after every call that changes it."""
 
     def __init__(self, actor: "ray.actor.ActorHandle"):
@@ -164,6 +186,51 @@ class RayTrainer:
         self._call("close")
 
 
+@ray.remote(num_cpus=0)
+def _rendezvous() -> tuple[str, int]:
+    """This node's address and a free port on it (run in rank 0's bundle)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return ray.util.get_node_ip_address(), sock.getsockname()[1]
+
+
+class RayTrainerRanks(RayTrainer):
+    """:class:`TrainerHandle` over ``actors``, one :class:`TrainerActor` per trainer rank hosting a
+    :class:`RankTrainer` (see the module docstring); ``version`` is rank 0's."""
+
+    def __init__(self, actors: Sequence["ray.actor.ActorHandle"]):
+        super().__init__(actors[0])
+        self.actors = list(actors)
+        self._failed: str | None = None
+
+    def _gang(self, op: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Run ``op`` on every rank; every rank's result, in rank order."""
+        if self._failed is not None:
+            raise TrainerRankFailed(self._failed)
+        refs = [a.call.remote("execute", op, *args, **kwargs) for a in self.actors]
+        pending = list(refs)
+        while pending:  # a failed rank leaves the others waiting in a collective: stop at the first failure
+            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(done[0])
+            except Exception as err:  # noqa: BLE001  (any rank's failure ends the gang)
+                cause = [line for line in str(err).splitlines() if line.strip()][-1:]  # the rank's own exception
+                self._failed = (f"trainer ranks failed in {op} ({len(self.actors)} ranks on Ray): rank "
+                                f"{refs.index(done[0])} failed: {cause[0].strip() if cause else type(err).__name__}")
+                for actor in self.actors:
+                    ray.kill(actor)
+                raise TrainerRankFailed(self._failed) from err
+        return ray.get(refs)
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self._gang(method, *args, **kwargs)[0]
+
+    def logprobs(self, batch: RolloutBatch) -> np.ndarray:
+        return assemble_logprobs(batch.input_ids.shape, self._gang("logprobs", batch))
+
+
 class RayOrchestrator(AsyncOrchestrator):
     """Runs a config with every sampler and the trainer in Ray actors (see the module docstring)."""
 
@@ -171,6 +238,7 @@ class RayOrchestrator(AsyncOrchestrator):
 
     def _start_backend(self) -> None:
         self._actors: list[ray.actor.ActorHandle] = []
+        self._placement_groups: list[Any] = []
         self._owns_ray = not ray.is_initialized()
         self._temp_dir: str | None = None
         if not self._owns_ray:
@@ -192,21 +260,54 @@ class RayOrchestrator(AsyncOrchestrator):
         for actor in self._actors:
             ray.kill(actor)
         self._actors.clear()
+        from ray.util.placement_group import remove_placement_group
+
+        for group in self._placement_groups:
+            remove_placement_group(group)
+        self._placement_groups.clear()
         if self._owns_ray:
             ray.shutdown()
         if self._temp_dir is not None:
             shutil.rmtree(self._temp_dir, ignore_errors=True)
 
-    def _host(self, build: Callable[..., Any], *args: Any, **kwargs: Any) -> "ray.actor.ActorHandle":
-        actor = HostActor.remote(build, *args, **kwargs)
+    def _keep(self, actor: "ray.actor.ActorHandle") -> "ray.actor.ActorHandle":
+        """``actor``, killed when the run's backend stops."""
         self._actors.append(actor)
         return actor
+
+    def _host(self, build: Callable[..., Any], *args: Any, **kwargs: Any) -> "ray.actor.ActorHandle":
+        return self._keep(HostActor.remote(build, *args, **kwargs))
 
     def _create_sampler(self, numerics: SamplerNumerics, *, pool: str, seed: int) -> Sampler:
         return RaySampler(self._host(build_embedded_sampler, self.model_dir, numerics, pool=pool, seed=seed))
 
     def _create_trainer(self, setup: TrainerSetup) -> TrainerHandle:
-        return RayTrainer(self._host(build_trainer, self.model_dir, setup))
+        if setup.settings.world_size > 1:
+            return RayTrainerRanks(self._place_ranks(setup))
+        return RayTrainer(self._keep(TrainerActor.remote(build_trainer, self.model_dir, setup)))
+
+    def _place_ranks(self, setup: TrainerSetup) -> list["ray.actor.ActorHandle"]:
+        """One actor per trainer rank, each in its bundle of one placement group (see the module
+        docstring); the group is removed with the run's actors."""
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        n = setup.settings.world_size
+        gpus = 1 if ray.cluster_resources().get("GPU", 0) >= n else 0
+        bundle = {"CPU": 1, **({"GPU": gpus} if gpus else {})}
+        group = placement_group([bundle] * n, strategy="PACK")
+        self._placement_groups.append(group)
+        try:
+            ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise UserError(f"trainer.world_size: {n} trainer ranks need {n} x {bundle} in one placement group and "
+                            f"the Ray cluster has {ray.cluster_resources()}; lower trainer.world_size or add "
+                            f"resources (ray.num_cpus, nodes)") from None
+        in_bundle = [PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i) for i in range(n)]
+        address, port = ray.get(_rendezvous.options(scheduling_strategy=in_bundle[0]).remote())
+        return [self._keep(TrainerActor.options(num_cpus=1, num_gpus=gpus, scheduling_strategy=in_bundle[rank])
+                           .remote(RankTrainer, self.model_dir, setup, rank, n, port, address, 0 if gpus else None))
+                for rank in range(n)]
 
     def _embedded_transport(self, numerics: Sequence[SamplerNumerics]) -> WeightTransport:
         return RayObjectStoreTransport()

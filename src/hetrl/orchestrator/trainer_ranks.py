@@ -56,7 +56,7 @@ import numpy as np
 from hetrl.core.schema import RolloutBatch
 from hetrl.orchestrator.trainer_handle import TrainerHandle, TrainerSetup, build_trainer
 
-__all__ = ["TrainerRanks", "TrainerRankFailed", "balanced_shares"]
+__all__ = ["TrainerRanks", "TrainerRankFailed", "RankTrainer", "balanced_shares", "assemble_logprobs"]
 
 _JOIN_S = 30.0
 
@@ -141,12 +141,41 @@ def _exit_with_parent() -> None:
     os._exit(1)
 
 
-def _rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
-    """How rank ``rank`` finds the others: ``torch.distributed``'s variables and the JAX
-    coordinator's (:func:`hetrl.trainer_jax.mesh.initialize_distributed`)."""
-    return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "HETRL_COORDINATOR": f"127.0.0.1:{port}",
+def _rank_environment(rank: int, world_size: int, port: int, address: str = "127.0.0.1",
+                      local_rank: int | None = None) -> dict[str, str]:
+    """How rank ``rank`` finds the others at rank 0's ``address:port``: ``torch.distributed``'s
+    variables and the JAX coordinator's (:func:`hetrl.trainer_jax.mesh.initialize_distributed`)."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank if local_rank is None else local_rank),
+            "MASTER_ADDR": address, "MASTER_PORT": str(port), "HETRL_COORDINATOR": f"{address}:{port}",
             "HETRL_NUM_PROCESSES": str(world_size), "HETRL_PROCESS_ID": str(rank)}
+
+
+class RankTrainer:
+    """Rank ``rank`` of ``world_size`` trainer ranks, in a process of its own (a worker process
+    here, or a Ray actor): joins the others at rank 0's ``address:port`` (``local_rank``: its
+    device index on its node) and builds the trainer; :meth:`execute` runs one gang call on this
+    rank's share."""
+
+    def __init__(self, model_dir: str | pathlib.Path, setup: TrainerSetup, rank: int, world_size: int, port: int,
+                 address: str = "127.0.0.1", local_rank: int | None = None):
+        os.environ.update(_rank_environment(rank, world_size, port, address, local_rank))
+        self.trainer = build_trainer(model_dir, setup)
+
+    @property
+    def version(self) -> int:
+        return self.trainer.version
+
+    def execute(self, op: str, batch: RolloutBatch | None = None, old: np.ndarray | None = None, **kwargs: Any) -> Any:
+        return _execute(self.trainer, op, batch, old, kwargs)
+
+
+def assemble_logprobs(shape: tuple[int, ...], parts: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    """A batch's log-probs [B, L] from every rank's ``(rows, values)`` of :func:`_execute`'s
+    ``logprobs`` (tensor ranks of one data-parallel rank repeat the same rows)."""
+    out = np.empty(shape, np.float32)
+    for rows, values in parts:
+        out[rows] = values
+    return out
 
 
 def _reply(conn: multiprocessing.connection.Connection, rank: int, op: str, result: Any, version: int) -> None:
@@ -179,17 +208,16 @@ def _worker_main(conn: multiprocessing.connection.Connection, rank: int, world_s
     """Rank ``rank``: build the trainer, then run each command from rank 0 until ``close``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, daemon=True).start()
-    os.environ.update(_rank_environment(rank, world_size, port))
     op = "start"
     try:
-        trainer = build_trainer(model_dir, setup)
-        _send(conn, {"ok": True, "version": trainer.version})
+        rank_trainer = RankTrainer(model_dir, setup, rank, world_size, port)
+        _send(conn, {"ok": True, "version": rank_trainer.version})
         while True:
             header, payloads = _receive(conn)
             op = header["op"]
             batch = RolloutBatch.from_bytes(payloads[0]) if header["batch"] else None
             old = _from_npy(payloads[1]) if header["old"] else None
-            _reply(conn, rank, op, _execute(trainer, op, batch, old, header["kwargs"]), trainer.version)
+            _reply(conn, rank, op, rank_trainer.execute(op, batch, old, **header["kwargs"]), rank_trainer.version)
             if op == "close":
                 return
     except EOFError:  # rank 0 is gone
@@ -376,12 +404,9 @@ class TrainerRanks:
         return self._call("train_step", batch, None if old_logprobs is None else np.asarray(old_logprobs, np.float32))[0]
 
     def logprobs(self, batch: RolloutBatch) -> np.ndarray:
-        (rows, values), replies = self._call("logprobs", batch)
-        out = np.empty(batch.input_ids.shape, np.float32)
-        out[rows] = values
-        for _, (rows_bytes, values_bytes) in replies:
-            out[_from_npy(rows_bytes)] = _from_npy(values_bytes)
-        return out
+        first, replies = self._call("logprobs", batch)
+        return assemble_logprobs(batch.input_ids.shape, [first] + [(_from_npy(rows), _from_npy(values))
+                                                                   for _, (rows, values) in replies])
 
     def export_hf_weights(self) -> dict[str, np.ndarray]:
         return self._call("export_hf_weights")[0]
