@@ -455,6 +455,18 @@ def test_two_ranks_match_one(name, multi_process, parity, batches):
             assert np.linalg.norm(ours - ref) <= 1e-4 * np.linalg.norm(ref), (rank, key)
         np.testing.assert_array_equal(arrays["after_step.model.norm.weight"],
                                       multi_process[name][0][1]["after_step.model.norm.weight"])
+        # the export streamed in buckets: one per unit (embedding, each layer, final norm and output),
+        # together the whole export, bit for bit, each tensor once
+        buckets: dict[int, dict[str, np.ndarray]] = {}
+        for key, value in arrays.items():
+            if key.startswith("bucket"):
+                index, _, tensor = key[len("bucket"):].partition(".")
+                buckets.setdefault(int(index), {})[tensor] = value
+        assert len(buckets) == CONFIGS[arch].num_hidden_layers + 2
+        assert sum(len(b) for b in buckets.values()) == len({k for b in buckets.values() for k in b})
+        whole = {k[len("after_step."):]: v for k, v in arrays.items() if k.startswith("after_step.")}
+        streamed = {k: v for b in buckets.values() for k, v in b.items()}
+        assert sorted(streamed) == sorted(whole) and all(np.array_equal(streamed[k], whole[k]) for k in whole)
 
 
 # ====================================================================== resume (workers "resume-save", "resume-load")
@@ -692,6 +704,8 @@ def worker_multi(name: str, out: pathlib.Path, ckpts: dict[str, str], batches: d
     arrays = {"logprobs": trainer.logprobs(local)}
     metrics = trainer.train_step(local)
     arrays.update({f"after_step.{k}": v for k, v in trainer.export_hf_weights().items()})
+    buckets = list(trainer.export_hf_buckets(bucket_bytes=1))  # every unit closes its bucket
+    arrays.update({f"bucket{i}.{k}": v for i, bucket in enumerate(buckets) for k, v in bucket.items()})
     return metrics, arrays
 
 

@@ -33,7 +33,7 @@ import os
 import pathlib
 import shutil
 from functools import partial
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -52,9 +52,9 @@ from hetrl.trainer_megatron.orphan_watch import install_results_queue
 from hetrl.trainer_megatron.model import (
     build_gpt_model, forward_logits, initialize_parallel, transformer_config, unwrap,
 )
-from hetrl.trainer_megatron.weights import hf_to_megatron, megatron_to_hf
+from hetrl.trainer_megatron.weights import hf_to_megatron, megatron_to_hf_units
 
-__all__ = ["MegatronTrainer", "STEP_FIELDS"]
+__all__ = ["MegatronTrainer", "STEP_FIELDS", "EXPORT_BUCKET_BYTES"]
 
 STEP_FIELDS: tuple[str, ...] = (
     "input_ids", "attention_mask", "target_ids", "loss_mask", "sampler_logprobs", "support_ids", "support_mask",
@@ -66,6 +66,8 @@ STEP_FIELDS: tuple[str, ...] = (
 _CHECKPOINT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 """dist_checkpointing layout of the distributed optimizer's state: one tensor per grad-buffer
 bucket, saved and loaded fully in parallel (resharding only across data-parallel sizes)."""
+EXPORT_BUCKET_BYTES = 256 * 2**20
+"""Default size of a bucket of :meth:`MegatronTrainer.export_hf_buckets` (256 MiB)."""
 
 
 class MegatronTrainer:
@@ -150,21 +152,40 @@ class MegatronTrainer:
     def export_hf_weights(self) -> dict[str, np.ndarray]:
         """The current model weights under HF names as numpy arrays, in the model's parameter
         dtype (float32, or ``ml_dtypes.bfloat16`` under BF16), gathered over tensor-parallel
-        ranks (every rank gets them)."""
+        ranks (every rank gets them): the buckets of :meth:`export_hf_buckets` merged."""
+        return {name: value for bucket in self.export_hf_buckets() for name, value in bucket.items()}
+
+    def export_hf_buckets(self, bucket_bytes: int = EXPORT_BUCKET_BYTES) -> Iterator[dict[str, np.ndarray]]:
+        """The HF export streamed in buckets of about ``bucket_bytes`` (whole tensors; a bucket
+        closes once it holds that much): gathered over tensor-parallel ranks and mapped to HF names
+        one unit at a time (:func:`megatron_to_hf_units`), so at most a bucket and one layer's
+        gathered shards are held, never the whole model twice. Collective with tensor parallelism:
+        every rank must consume it to the end."""
         from megatron.core import parallel_state
 
         local = _tensors(unwrap(self.model).state_dict())
         size = parallel_state.get_tensor_model_parallel_world_size()
-        if size == 1:
-            return megatron_to_hf(self.model_config, [local])
-        group = parallel_state.get_tensor_model_parallel_group()
-        shards: list[dict[str, torch.Tensor]] = [{} for _ in range(size)]
-        for name, value in local.items():
-            parts = [torch.empty_like(value) for _ in range(size)]
-            torch.distributed.all_gather(parts, value.contiguous(), group=group)
-            for rank, part in enumerate(parts):
-                shards[rank][name] = part
-        return megatron_to_hf(self.model_config, shards)
+        group = parallel_state.get_tensor_model_parallel_group() if size > 1 else None
+
+        def gather(names: Sequence[str]) -> list[dict[str, torch.Tensor]]:
+            shards: list[dict[str, torch.Tensor]] = [{} for _ in range(size)]
+            for name in names:
+                value = local[name]
+                parts = [value] if size == 1 else [torch.empty_like(value) for _ in range(size)]
+                if size > 1:
+                    torch.distributed.all_gather(parts, value.contiguous(), group=group)
+                for rank, part in enumerate(parts):
+                    shards[rank][name] = part
+            return shards
+
+        bucket: dict[str, np.ndarray] = {}
+        for unit in megatron_to_hf_units(self.model_config, list(local), gather):
+            bucket.update(unit)
+            if sum(v.nbytes for v in bucket.values()) >= bucket_bytes:
+                yield bucket
+                bucket = {}
+        if bucket:
+            yield bucket
 
     def save_hf(self, directory: str | os.PathLike) -> pathlib.Path:
         """Write the current weights as an HF checkpoint (``config.json``, safetensors) with

@@ -36,7 +36,8 @@ replicated. The mapping only moves and concatenates values, so HF -> megatron ->
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from functools import partial
+from typing import Callable, Iterator, Mapping, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -44,7 +45,7 @@ import torch
 
 from hetrl.models import ModelConfig, check_state_dict
 
-__all__ = ["StageLayout", "hf_to_megatron", "megatron_to_hf", "tensor_to_numpy"]
+__all__ = ["StageLayout", "hf_to_megatron", "megatron_to_hf", "megatron_to_hf_units", "tensor_to_numpy"]
 
 
 @dataclass(frozen=True)
@@ -150,35 +151,68 @@ def megatron_to_hf(
     """HF tensors of one pipeline stage from its megatron state dicts, one per tensor-parallel
     rank in rank order (a single dict without tensor parallelism). Inverse of
     :func:`hf_to_megatron`; on the whole model the result passes ``check_state_dict``."""
+    units = megatron_to_hf_units(config, list(shards[0]), lambda names: [{n: s[n] for n in names} for s in shards], layout)
+    return {name: value for unit in units for name, value in unit.items()}
+
+
+def megatron_to_hf_units(
+    config: ModelConfig, names: Sequence[str], gather: Callable[[Sequence[str]], Sequence[Mapping[str, torch.Tensor]]],
+    layout: StageLayout | None = None,
+) -> Iterator[dict[str, np.ndarray]]:
+    """:func:`megatron_to_hf` a unit at a time (the embedding, each layer, the final norm and
+    output layer), so that no more than one unit's gathered shards and HF tensors are held at
+    once. ``names``: the stage's megatron state-dict names; ``gather(unit_names)``: those
+    tensors of every tensor-parallel rank, in rank order (a collective where there are several:
+    every rank must consume the whole iterator)."""
     layout = layout or StageLayout.whole(config)
-    tp_size = len(shards)
-    _check_tp(config, tp_size)
 
-    def merged(name: str, dim: int | None) -> torch.Tensor:
-        return shards[0][name] if dim is None or tp_size == 1 else torch.cat([s[name] for s in shards], dim=dim)
+    def unit(prefix_names: Sequence[str], convert: Callable[[Callable[[str, int | None], torch.Tensor], Sequence[Mapping[str, torch.Tensor]]], dict[str, torch.Tensor]]) -> dict[str, np.ndarray]:
+        shards = gather(prefix_names)
+        _check_tp(config, len(shards))
 
-    out: dict[str, torch.Tensor] = {}
+        def merged(name: str, dim: int | None) -> torch.Tensor:
+            return shards[0][name] if dim is None or len(shards) == 1 else torch.cat([s[name] for s in shards], dim=dim)
+
+        return {name: tensor_to_numpy(value) for name, value in convert(merged, shards).items()}
+
     if layout.first:
-        out["model.embed_tokens.weight"] = merged("embedding.word_embeddings.weight", 0)
+        yield unit(["embedding.word_embeddings.weight"],
+                   lambda merged, _: {"model.embed_tokens.weight": merged("embedding.word_embeddings.weight", 0)})
     for local in range(layout.num_layers):
         src, dst = f"decoder.layers.{local}.", f"model.layers.{layout.layer_offset + local}."
-        for hf_suffix, mc_suffix, dim in _LAYER_DIRECT:
-            if src + mc_suffix in shards[0]:
-                out[dst + hf_suffix] = merged(src + mc_suffix, dim)
-        for kind in ("weight", "bias") if config.attention_bias else ("weight",):
-            q, k, v = _split_qkv(config, merged(f"{src}{_ATTN}linear_qkv.{kind}", 0))
-            out.update({f"{dst}self_attn.q_proj.{kind}": q, f"{dst}self_attn.k_proj.{kind}": k,
-                        f"{dst}self_attn.v_proj.{kind}": v})
-        pairs = [torch.chunk(s[f"{src}{_MLP}linear_fc1.weight"], 2, dim=0) for s in shards]
-        out[f"{dst}mlp.gate_proj.weight"] = torch.cat([g for g, _ in pairs], dim=0)
-        out[f"{dst}mlp.up_proj.weight"] = torch.cat([u for _, u in pairs], dim=0)
+        yield unit([n for n in names if n.startswith(src)], partial(_layer_to_hf, config, src, dst))
     if layout.last:
-        out["model.norm.weight"] = merged("decoder.final_layernorm.weight", None)
-        if not config.tie_word_embeddings:
-            out["lm_head.weight"] = merged("output_layer.weight", 0)
-        elif not layout.first:
-            out["model.embed_tokens.weight"] = merged("output_layer.weight", 0)
-    return {name: tensor_to_numpy(value) for name, value in out.items()}
+        final = [n for n in ("decoder.final_layernorm.weight", "output_layer.weight") if n in names]
+        yield unit(final, partial(_final_to_hf, config, layout))
+
+
+def _layer_to_hf(config: ModelConfig, src: str, dst: str, merged: Callable[[str, int | None], torch.Tensor],
+                 shards: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """HF tensors of the layer whose megatron names start with ``src`` (HF prefix ``dst``)."""
+    out: dict[str, torch.Tensor] = {}
+    for hf_suffix, mc_suffix, dim in _LAYER_DIRECT:
+        if src + mc_suffix in shards[0]:
+            out[dst + hf_suffix] = merged(src + mc_suffix, dim)
+    for kind in ("weight", "bias") if config.attention_bias else ("weight",):
+        q, k, v = _split_qkv(config, merged(f"{src}{_ATTN}linear_qkv.{kind}", 0))
+        out.update({f"{dst}self_attn.q_proj.{kind}": q, f"{dst}self_attn.k_proj.{kind}": k,
+                    f"{dst}self_attn.v_proj.{kind}": v})
+    pairs = [torch.chunk(s[f"{src}{_MLP}linear_fc1.weight"], 2, dim=0) for s in shards]
+    out[f"{dst}mlp.gate_proj.weight"] = torch.cat([g for g, _ in pairs], dim=0)
+    out[f"{dst}mlp.up_proj.weight"] = torch.cat([u for _, u in pairs], dim=0)
+    return out
+
+
+def _final_to_hf(config: ModelConfig, layout: StageLayout, merged: Callable[[str, int | None], torch.Tensor],
+                 shards: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """HF tensors of a last stage's final norm and output layer (the embedding's copy when tied
+    on a stage that does not hold the embedding)."""
+    out = {"model.norm.weight": merged("decoder.final_layernorm.weight", None)}
+    if not config.tie_word_embeddings:
+        out["lm_head.weight"] = merged("output_layer.weight", 0)
+    elif not layout.first:
+        out["model.embed_tokens.weight"] = merged("output_layer.weight", 0)
+    return out
 
 
 def _to_torch(arr: np.ndarray) -> torch.Tensor:
