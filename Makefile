@@ -42,4 +42,4 @@ bench: $(STAMP)
 	$(VENV)/bin/hetrl bench correction_overhead
 
 clean:
-	rm -rf $(VENV) .venv-sglang .pytest_cache .hypothesis
+	rm -rf $(VENV) .venv-sglang .pytest_cache .hypothesis .cache

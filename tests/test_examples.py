@@ -47,7 +47,7 @@ def embedded_pools(example: str) -> str:
 
 def tiny_overrides(example: str, out: pathlib.Path) -> list[str]:
     return [TINY_MODEL, f"output_dir={out}", f"steps={STEPS}", QUIET, NO_EVAL, "async.batch_groups=2",
-            "async.group_size=2", "async.max_new_tokens=24", "trainer.world_size=2", embedded_pools(example)]
+            "async.group_size=2", "async.max_new_tokens=16", "trainer.world_size=2", embedded_pools(example)]
 
 
 @pytest.mark.parametrize("example", sorted(EXAMPLES))

@@ -322,7 +322,7 @@ def test_hetrl_train_runs_a_mixed_fleet_and_survives_the_server_dying(model_dir,
     server is killed after step 2 and training continues on the embedded pools to step 4."""
     srv = SGLangServer(model_dir, log_path=tmp_path / "server.log").start()
     out = tmp_path / "run"
-    sets = [f"output_dir={out}", "steps=4", QUIET, NO_EVAL,
+    sets = [f"output_dir={out}", "steps=4", QUIET, NO_EVAL, "async.max_new_tokens=24",
             f'fleet.pools[3].endpoints=["{srv.url}"]', "fleet.pools[3].server.retries=1",
             "fleet.pools[3].server.backoff_s=0.05"]
     cmd = [sys.executable, "-m", "hetrl.cli", "train", str(ROOT / "configs" / "tiny_mixed_sglang.yaml")]
