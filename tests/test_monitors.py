@@ -3,6 +3,7 @@ by TensorBoard's own reader, an offline W&B run, and the fan-out."""
 
 import json
 import math
+import time
 
 import numpy as np
 import pytest
@@ -97,7 +98,11 @@ def test_wandb_offline_writes_run_files_with_config(tmp_path, monkeypatch):
     m.close()
     (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")  # inside output_dir, to `wandb sync` later
     (data,) = run_dir.glob("run-*.wandb")
-    content = data.read_bytes()  # the run's transaction log: the config and every logged key are in it
+    # the run's transaction log: the config and every logged key are in it. wandb's service process
+    # may still be writing it when finish() returns (under load in CI the file held only its header)
+    deadline = time.monotonic() + 60
+    while b"staleness/max" not in (content := data.read_bytes()) and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert b"batch_groups" in content and b"max_staleness" in content  # the resolved run config
     assert b"mismatch/k3" in content and b"staleness/max" in content
 
