@@ -50,8 +50,8 @@ import numpy as np
 import ray
 
 from hetrl.core.schema import RolloutBatch, SamplerInfo
-from hetrl.orchestrator.loop import AsyncOrchestrator, build_embedded_sampler
 from hetrl.errors import UserError
+from hetrl.orchestrator.loop import AsyncOrchestrator, build_embedded_sampler
 from hetrl.orchestrator.trainer_handle import TrainerHandle, TrainerSetup, build_trainer
 from hetrl.orchestrator.trainer_ranks import RankTrainer, TrainerRankFailed, assemble_logprobs
 from hetrl.orchestrator.transport import RayObjectStoreTransport, WeightTransport, object_ref

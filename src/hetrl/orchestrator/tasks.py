@@ -35,6 +35,12 @@ class NoTaskFits(UserError):
     """No train task of a whole pass has a prompt that fits the model with room for the generation."""
 
 
+def _pass_of(task_id: str) -> tuple[str, int]:
+    """``(base id, pass)`` of a train task id (``<base>@<e>`` for pass ``e >= 1``)."""
+    base, sep, suffix = task_id.rpartition("@")
+    return (base, int(suffix)) if sep and suffix.isdigit() else (task_id, 0)
+
+
 class TaskSource:
     """Train tasks of ``suite`` in passes (see the module docstring), the order drawn from
     ``rng``; ``prompt_ids(task)`` tokenizes a task's prompt (cached per current-pass task);
@@ -64,7 +70,7 @@ class TaskSource:
             prompt = self.prompt(task)
             if self._fits(prompt):
                 return task
-            base = task.task_id.rpartition("@")[0] or task.task_id
+            base = _pass_of(task.task_id)[0]
             if base not in self.overlong:
                 self.overlong.add(base)
                 log.warning("train task %s skipped: its prompt (%d tokens) leaves no room for the generation "
@@ -77,8 +83,7 @@ class TaskSource:
         """The train task ``task_id`` of any pass. Raises KeyError for an id no pass has."""
         if task_id in self._current:
             return self._current[task_id]
-        base, sep, suffix = task_id.rpartition("@")
-        epoch = int(suffix) if sep and suffix.isdigit() else 0
+        epoch = _pass_of(task_id)[1]
         if self._other[0] != epoch:
             self._other = (epoch, {t.task_id: t for t in self.suite.train_pass(epoch)})
         return self._other[1][task_id]

@@ -170,20 +170,22 @@ class MegatronTrainer:
         def gather(names: Sequence[str]) -> list[dict[str, torch.Tensor]]:
             shards: list[dict[str, torch.Tensor]] = [{} for _ in range(size)]
             for name in names:
-                value = local[name]
-                parts = [value] if size == 1 else [torch.empty_like(value) for _ in range(size)]
+                parts = [local[name]]
                 if size > 1:
-                    torch.distributed.all_gather(parts, value.contiguous(), group=group)
+                    parts = [torch.empty_like(local[name]) for _ in range(size)]
+                    torch.distributed.all_gather(parts, local[name].contiguous(), group=group)
                 for rank, part in enumerate(parts):
                     shards[rank][name] = part
             return shards
 
         bucket: dict[str, np.ndarray] = {}
+        held = 0
         for unit in megatron_to_hf_units(self.model_config, list(local), gather):
             bucket.update(unit)
-            if sum(v.nbytes for v in bucket.values()) >= bucket_bytes:
+            held += sum(v.nbytes for v in unit.values())
+            if held >= bucket_bytes:
                 yield bucket
-                bucket = {}
+                bucket, held = {}, 0
         if bucket:
             yield bucket
 

@@ -155,6 +155,13 @@ def megatron_to_hf(
     return {name: value for unit in units for name, value in unit.items()}
 
 
+_Merged = Callable[[str, int | None], torch.Tensor]
+"""``merged(name, dim)``: megatron tensor ``name`` joined over the tensor-parallel ranks along ``dim``
+(``None``: replicated, rank 0's)."""
+_Convert = Callable[[_Merged, Sequence[Mapping[str, torch.Tensor]]], dict[str, torch.Tensor]]
+"""One unit's mapping: ``convert(merged, shards) -> {HF name: tensor}``."""
+
+
 def megatron_to_hf_units(
     config: ModelConfig, names: Sequence[str], gather: Callable[[Sequence[str]], Sequence[Mapping[str, torch.Tensor]]],
     layout: StageLayout | None = None,
@@ -166,8 +173,8 @@ def megatron_to_hf_units(
     every rank must consume the whole iterator)."""
     layout = layout or StageLayout.whole(config)
 
-    def unit(prefix_names: Sequence[str], convert: Callable[[Callable[[str, int | None], torch.Tensor], Sequence[Mapping[str, torch.Tensor]]], dict[str, torch.Tensor]]) -> dict[str, np.ndarray]:
-        shards = gather(prefix_names)
+    def unit(unit_names: Sequence[str], convert: _Convert) -> dict[str, np.ndarray]:
+        shards = gather(unit_names)
         _check_tp(config, len(shards))
 
         def merged(name: str, dim: int | None) -> torch.Tensor:
@@ -186,7 +193,7 @@ def megatron_to_hf_units(
         yield unit(final, partial(_final_to_hf, config, layout))
 
 
-def _layer_to_hf(config: ModelConfig, src: str, dst: str, merged: Callable[[str, int | None], torch.Tensor],
+def _layer_to_hf(config: ModelConfig, src: str, dst: str, merged: _Merged,
                  shards: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """HF tensors of the layer whose megatron names start with ``src`` (HF prefix ``dst``)."""
     out: dict[str, torch.Tensor] = {}
@@ -203,7 +210,7 @@ def _layer_to_hf(config: ModelConfig, src: str, dst: str, merged: Callable[[str,
     return out
 
 
-def _final_to_hf(config: ModelConfig, layout: StageLayout, merged: Callable[[str, int | None], torch.Tensor],
+def _final_to_hf(config: ModelConfig, layout: StageLayout, merged: _Merged,
                  shards: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """HF tensors of a last stage's final norm and output layer (the embedding's copy when tied
     on a stage that does not hold the embedding)."""
