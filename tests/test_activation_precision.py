@@ -186,7 +186,7 @@ def test_k3_ordering_of_formats_on_the_warm_start():
     the float32 recomputation. Measured k3 (2026-12-04): bf16 5.4e-6; FP8 weight-only 1.9e-5,
     W8A8 1.9e-4; NVFP4 weight-only 5.7e-4, W4A4 2.2e-3 (ratios W8A8 / bf16 35x, W4A4 / W8A8
     11.6x, W8A8 / W8 10x, W4A4 / W4 3.8x). Asserted with about a third of each measured ratio."""
-    from hetrl.samplers.embedded import _generate_chunk
+    from hetrl.samplers.embedded import compiled_programs
     from hetrl.samplers.probe import probe_mismatch, warmstart_prompts
     from hetrl.samplers.profiles import sampler_numerics
 
@@ -197,6 +197,6 @@ def test_k3_ordering_of_formats_on_the_warm_start():
     assert k3["w4a4"] > 4 * k3["w8a8"] > 40 * k3["bf16"] > 0, k3
     assert k3["w8a8"] > 3 * k3["w8"] and k3["w4a4"] > 1.5 * k3["w4"], k3
     # the activation format is static numerics: a new W4A4 sampler (another seed) reuses the compiled engine
-    compiled = _generate_chunk._cache_size()
+    compiled = compiled_programs()
     probe_mismatch(WARMSTART, sampler_numerics("b200", "nvfp4", "bf16"), prompts, seed=1)
-    assert _generate_chunk._cache_size() == compiled
+    assert compiled_programs() == compiled

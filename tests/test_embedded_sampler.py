@@ -9,6 +9,8 @@ Every sampler here shares the tiny Qwen3 shapes, so the generate function compil
 numerics (fp32 reference, b200 bf16 compute) and bucket shape (8 rows, prompt 16, 32 new tokens).
 """
 
+import pathlib
+
 import jax
 import numpy as np
 import pytest
@@ -20,7 +22,8 @@ from hetrl.models.hf_io import load_state_dict
 from hetrl.models.qwen_jax import from_hf_state_dict
 from hetrl.models.tiny import TINY_QWEN3, random_state_dict
 from hetrl.samplers.base import GenerationRequest, Sampler
-from hetrl.samplers.embedded import EmbeddedSampler, _generate_chunk, quantize_weights
+from hetrl.samplers.embedded import (ABORT_CHECKS, EmbeddedSampler, _decode_runs, _decode_segments, compiled_programs,
+                                     quantize_weights)
 from hetrl.samplers.profiles import sampler_numerics
 
 V = TINY_QWEN3.vocab_size
@@ -179,11 +182,11 @@ def test_update_weights_changes_outputs_and_version_without_recompiling(soft_wei
     a = EmbeddedSampler(TINY_QWEN3, soft_weights, REF, seed=5, **SHAPES)
     b = EmbeddedSampler(TINY_QWEN3, soft_weights, REF, seed=5, **SHAPES)
     first = a.generate(reqs)
-    compiled = _generate_chunk._cache_size()
+    compiled = compiled_programs()
     a.update_weights(7, random_state_dict(TINY_QWEN3, seed=42, init_std=0.15))
     assert a.health().weight_version == 7 and a.weight_version == 7
     second = a.generate(reqs)
-    assert _generate_chunk._cache_size() == compiled
+    assert compiled_programs() == compiled
     same = b.generate(reqs)  # same seed, same weights: identical first call
     changed = 0
     for x, y, z in zip(first, second, same):
@@ -201,6 +204,30 @@ def test_update_weights_changes_outputs_and_version_without_recompiling(soft_wei
     b.reseed(5)
     for x, y in zip(same, b.generate(reqs)):
         np.testing.assert_array_equal(x.token_ids, y.token_ids)
+
+
+@pytest.mark.parametrize("n_steps", [1, 2, 3, 4, 5, 16, 24, 31, 32, 100, 128])
+def test_the_decode_runs_cover_each_step_once_within_their_cache_and_stop_at_every_abort_check(n_steps):
+    runs = _decode_runs(n_steps)
+    ends = [end for end, _ in runs]
+    starts = [1, *ends[:-1]]
+    assert [n for a, b in zip(starts, ends) for n in range(a, b)] == list(range(1, n_steps))  # steps 1 .. N-1, once
+    segments = _decode_segments(n_steps)
+    for (end, cache), start in zip(runs, starts):
+        assert cache in segments and end - 1 <= cache  # step n writes slot P + n - 1: the cache holds it
+        assert start > ([0, *segments][segments.index(cache)])  # and is the smallest that does (the first half's)
+    every = max(1, n_steps // ABORT_CHECKS)
+    assert set(range(every, n_steps, every)) - {1} <= set(ends)  # the host checks the abort flag there
+
+
+def test_the_engines_programs_are_kept_in_the_persistent_compilation_cache(soft_weights):
+    """No program of the engine calls back into Python (which JAX's persistent cache refuses to
+    keep), so a new process (a resumed run, every tiny run of this suite) loads them compiled.
+    (The suite enables the cache: tests/conftest.py.)"""
+    cache = pathlib.Path(jax.config.jax_compilation_cache_dir)
+    EmbeddedSampler(TINY_QWEN3, soft_weights, REF, seed=0, **SHAPES).generate(_requests(_prompts(4), SAMPLINGS, 16))
+    kept = {path.name.rsplit("-", 2)[0] for path in cache.iterdir()}
+    assert {"jit__prefill", "jit__decode"} <= kept
 
 
 def test_weights_are_quantized_per_tensor_role(soft_weights):

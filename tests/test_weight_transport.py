@@ -31,7 +31,7 @@ from hetrl.orchestrator.transport import (OBJECT_STORE, InProcessTransport, Shar
                                           object_ref)
 from hetrl.samplers import embedded
 from hetrl.samplers.base import GenerationRequest
-from hetrl.samplers.embedded import (QUANTIZED_WEIGHT, EmbeddedSampler, _generate_chunk, quantize_weights,
+from hetrl.samplers.embedded import (QUANTIZED_WEIGHT, EmbeddedSampler, compiled_programs, quantize_weights,
                                      stage_parameters, staging_key)
 from hetrl.samplers.fleet import Fleet, PoolConfig
 from hetrl.samplers.profiles import sampler_numerics
@@ -77,12 +77,12 @@ def test_in_place_update_keeps_the_model_and_matches_a_fresh_replica():
     a = EmbeddedSampler(TINY_QWEN3, old, BF16, seed=5, **SHAPES)
     graphdef, treedef = a._graphdef, a._treedef
     before = a.generate(_requests())
-    compiled = _generate_chunk._cache_size()
+    compiled = compiled_programs()
     a.update_weights(3, new)
     assert a._graphdef is graphdef and a._treedef is treedef  # the same model, only its arrays replaced
     a.reseed(5)
     after = a.generate(_requests())
-    assert _generate_chunk._cache_size() == compiled  # no re-jit
+    assert compiled_programs() == compiled  # no re-jit
     fresh = EmbeddedSampler(TINY_QWEN3, new, BF16, seed=5, version=3, **SHAPES).generate(_requests())
     for x, y in zip(after, fresh):
         np.testing.assert_array_equal(x.token_ids, y.token_ids)

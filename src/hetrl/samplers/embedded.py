@@ -21,23 +21,27 @@ so its mismatch with the trainer is computed, never injected:
   chunking); the parameters are stored in the compute dtype.
 
 One :meth:`EmbeddedSampler.generate` call is split into chunks of at most ``max_batch``
-requests; each chunk runs as ONE jitted function:
+requests; each chunk runs as a few compiled programs (:func:`_generate_chunk`):
 
-1. **prefill**: prompts are left-padded to a bucketed length ``P`` (row b's real tokens sit at
-   slots ``[P − P_b, P)``), with per-row positions ``0 .. P_b − 1`` and an attention mask over key
-   slots that hides the padding, ``N`` being the bucketed ``max_new_tokens``. The LM head runs
-   on the hidden state at slot ``P − 1`` only; its logits give the first token.
-2. **decode**: ``jax.lax.while_loop`` s over steps ``n = 1 .. N − 1`` feed token ``n − 1`` at
-   slot ``P + n − 1`` (position ``P_b + n − 1``) through the KV-cached model and sample token
-   ``n`` (:func:`hetrl.samplers.sampling.sample`, its Gumbel noise drawn for every step before
-   the loop); they exit early once every row is done. A row is done after a stop token
-   (``finish_reason="stop"``; the stop token is part of the response) or after its own
-   ``max_new_tokens`` (``"length"``). Every ``N // ABORT_CHECKS`` steps the loop asks the host
-   whether the call was aborted (:meth:`EmbeddedSampler.abort`, an ``io_callback``); if so it exits,
-   and the rows not yet done end with ``finish_reason="abort"`` and the tokens sampled so far
-   (the :class:`hetrl.samplers.base.Abortable` capability). Attention reads every slot of the cache,
-   so the cache holds ``P + N // 2`` slots for steps ``n <= N // 2`` and is grown (one copy) to
-   ``P + N`` for the rest (:func:`_decode_segments`): one loop per cache size.
+1. **prefill** (:func:`_prefill`): prompts are left-padded to a bucketed length ``P`` (row b's
+   real tokens sit at slots ``[P − P_b, P)``), with per-row positions ``0 .. P_b − 1`` and an
+   attention mask over key slots that hides the padding, ``N`` being the bucketed
+   ``max_new_tokens``. The LM head runs on the hidden state at slot ``P − 1`` only; its logits
+   give the first token.
+2. **decode** (:func:`_decode`): ``jax.lax.while_loop`` s over steps ``n = 1 .. N − 1`` feed
+   token ``n − 1`` at slot ``P + n − 1`` (position ``P_b + n − 1``) through the KV-cached model
+   and sample token ``n`` (:func:`hetrl.samplers.sampling.sample`, its Gumbel noise drawn for
+   every step in the prefill); they exit early once every row is done. A row is done after a
+   stop token (``finish_reason="stop"``; the stop token is part of the response) or after its
+   own ``max_new_tokens`` (``"length"``). The steps run in a few runs (:func:`_decode_runs`):
+   between two, every ``N // ABORT_CHECKS`` steps, the host checks whether the call was aborted
+   (:meth:`EmbeddedSampler.abort`); if so it stops, and the rows not yet done end with
+   ``finish_reason="abort"`` and the tokens sampled so far (the
+   :class:`hetrl.samplers.base.Abortable` capability). Attention reads every slot of the cache,
+   so the cache holds ``P + N // 2`` slots for steps ``n <= N // 2`` and is grown (one copy,
+   :func:`_grow`) to ``P + N`` for the rest (:func:`_decode_segments`): one program per cache
+   size. No program calls back into Python, so JAX's persistent compilation cache keeps them
+   across processes (a restarted run, a test suite's many runs) when it is enabled.
 
 Compiled shapes repeat: batch sizes, prompt lengths and new-token counts are rounded up to
 fixed buckets (powers of two), padding rows are dummies that finish at once, and the jit cache is
@@ -62,7 +66,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental import io_callback
 
 from hetrl.core.precision import quantize_dequantize
 from hetrl.core.schema import SamplerInfo, SamplingSupport
@@ -75,7 +78,8 @@ from hetrl.samplers.sampling import DEFAULT_SUPPORT_CAP, check_params, draw_nois
 from hetrl.samplers.weight_set import WeightSet
 
 __all__ = ["EmbeddedSampler", "quantize_weights", "QUANTIZED_WEIGHT", "DEFAULT_LENGTH_BUCKETS", "DEFAULT_BATCH_BUCKETS",
-           "ParameterLayout", "parameter_layout", "stage_parameters", "staged_parameters", "staging_key", "storage_format"]
+           "ParameterLayout", "parameter_layout", "stage_parameters", "staged_parameters", "staging_key", "storage_format",
+           "compiled_programs"]
 
 QUANTIZED_WEIGHT = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight")
 """HF names of the tensors stored in the pool's weight format (the rest: compute dtype)."""
@@ -85,8 +89,8 @@ DEFAULT_BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 
 ABORT_CHECKS = 4
 """How often a call of ``N`` new tokens checks its abort flag: every ``max(1, N // ABORT_CHECKS)``
-decode steps. Each check is a host round trip (``io_callback``), costly next to a small model's
-decode step, so a call checks a few times rather than at every step."""
+decode steps. Each check ends a decode run (a host round trip and a program launch, costly next
+to a small model's decode step), so a call checks a few times rather than at every step."""
 
 _DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 
@@ -191,8 +195,7 @@ def _record(out: dict, r, step) -> dict:
 
 class _Aborts:
     """The calls of every embedded sampler in this process, by call id, and whether each was
-    aborted: the decode loop asks :meth:`aborted` at its checks (from an ``io_callback``,
-    so the compiled function, shared by all samplers, takes only the call id)."""
+    aborted: :func:`_generate_chunk` asks :meth:`aborted` between its decode runs."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -201,7 +204,7 @@ class _Aborts:
 
     def open(self) -> int:
         with self._lock:
-            call = next(self._ids) % (2**31)
+            call = next(self._ids)
             self._calls[call] = False
             return call
 
@@ -215,12 +218,24 @@ class _Aborts:
                 if call in self._calls:
                     self._calls[call] = True
 
-    def aborted(self, call) -> np.ndarray:
+    def aborted(self, call: int) -> bool:
         with self._lock:
-            return np.bool_(self._calls.get(int(call), False))
+            return self._calls.get(call, False)
 
 
 _ABORTS = _Aborts()
+
+
+class _Rows(NamedTuple):
+    """A chunk's per-row settings, [B] each (``stop_ids`` [B, NS] padded with -1): the prompt
+    lengths, sampling parameters and new-token limits."""
+
+    prompt_lens: jax.Array
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    max_new: jax.Array
+    stop_ids: jax.Array
 
 
 class _DecodeState(NamedTuple):
@@ -240,77 +255,115 @@ def _decode_segments(n_steps: int) -> tuple[int, ...]:
 
     Attention reads every slot of the cache at every step, so the first half of the steps runs
     over a cache of ``P + N // 2`` slots, grown (one copy) to ``P + N`` for the second half: the
-    mean slots read per step fall from ``P + N`` to about ``P + 3N/4``. Each segment is its own
-    loop in the compiled function; more of them read less but compile longer (four segments
-    measured no faster than two at N = 128)."""
+    mean slots read per step fall from ``P + N`` to about ``P + 3N/4``. Each cache size is its own
+    compiled decode program; more of them read less but compile longer (four segments measured
+    no faster than two at N = 128)."""
     return (n_steps,) if n_steps < 2 else (n_steps // 2, n_steps)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "treedef", "n_steps", "width", "head_size"))
-def _generate_chunk(leaves, prompt_ids, prompt_lens, temperature, top_k, top_p, max_new, stop_ids, key, call, *,
-                    graphdef, treedef, n_steps, width, head_size):
-    """Prefill + KV-cached decode of one padded chunk (see the module docstring).
-
-    leaves: the model's parameter arrays; prompt_ids [B, P] int32 left-padded; prompt_lens,
-    max_new [B] int32 (1 <= max_new <= n_steps); temperature, top_p [B] f32; top_k [B] int32;
-    stop_ids [B, NS] int32 padded with -1; key: PRNG key; call: int32 id of the call (the loop
-    stops at its next check, every ``N // ABORT_CHECKS`` steps, once :data:`_ABORTS` says the call
-    was aborted). Returns a dict of tokens,
-    logprobs, count [B, N], support_ids, support_logprobs [B, N, W], cap_bound [B, N], lengths [B]
-    and done [B] (False: the row was cut by an abort).
-    """
-    model: QwenModel = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-    B, P = prompt_ids.shape
+def _decode_runs(n_steps: int) -> tuple[tuple[int, int], ...]:
+    """The decode runs of a chunk of ``N`` new tokens, in order, as ``(end, cache)``: a run of
+    the steps before step ``end`` (all of them: the steps ``1 .. N - 1``) over a cache of ``P +
+    cache`` slots. Runs end where a cache size does (:func:`_decode_segments`) and at every
+    ``max(1, N // ABORT_CHECKS)``-th step, where the host checks the call's abort flag."""
+    every = max(1, n_steps // ABORT_CHECKS)
     segments = _decode_segments(n_steps)
-    first = P - prompt_lens  # first real slot of each row
-    key_mask = jnp.arange(P + n_steps)[None, :] >= first[:, None]  # [B, P + N]
+    ends = sorted({*range(every, n_steps, every), *(min(last + 1, n_steps) for last in segments)} - {1})
+    return tuple((end, next(last for last in segments if end - 1 <= last)) for end in ends)
+
+
+def _model(leaves, graphdef, treedef) -> QwenModel:
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+
+
+def _key_mask(rows: _Rows, P: int, slots: int) -> jax.Array:
+    """[B, slots] bool: which cache slots each row attends to (its real prompt tokens sit at
+    slots ``[P - P_b, P)``; every slot from ``P`` on is its own response)."""
+    return jnp.arange(slots)[None, :] >= (P - rows.prompt_lens)[:, None]
+
+
+def _draw(noise, logits, rows: _Rows, step, width: int, head_size: int):
+    return sample(jax.tree.map(lambda a: a[step], noise), logits, rows.temperature, rows.top_k, rows.top_p,
+                  width=width, head_size=head_size)
+
+
+def _stops(rows: _Rows, token) -> jax.Array:
+    return jnp.any(rows.stop_ids == token[:, None], axis=-1)
+
+
+_STATIC = ("graphdef", "treedef", "n_steps", "width", "head_size")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _prefill(leaves, prompt_ids, rows: _Rows, key, *, graphdef, treedef, n_steps, width, head_size):
+    """The prompts through the model into a cache of ``P + N // 2`` slots (``P + N`` for N = 1)
+    and the first token sampled (see the module docstring): returns the decode state at step 1
+    and every step's sampling noise, [N, B, ...] (row b's draw at step n depends only on
+    ``(key, b, n)``). prompt_ids [B, P] int32 left-padded."""
+    model = _model(leaves, graphdef, treedef)
+    B, P = prompt_ids.shape
+    first = P - rows.prompt_lens
     positions = jnp.maximum(jnp.arange(P)[None, :] - first[:, None], 0).astype(jnp.int32)
-    cache = init_cache(model.config, B, P + segments[0], dtype=model.numerics.compute_dtype)
-
-    # every step's noise in one call, [N, B, W] floats (row b's draw at step n still depends only on
-    # (key, b, n)): drawn per step, threefry's small loops (rolled on CPU) ran three times a step
-    noise = draw_noise(jax.vmap(lambda n: row_keys(key, B, n))(jnp.arange(n_steps)), width)  # [N, B, ...]
-
-    def draw(logits, step):
-        return sample(jax.tree.map(lambda a: a[step], noise), logits, temperature, top_k, top_p, width=width,
-                      head_size=head_size)
-
-    def stops(token):
-        return jnp.any(stop_ids == token[:, None], axis=-1)
-
-    hidden, cache = model.hidden_states(prompt_ids, positions, key_mask[:, : cache.max_len], cache, jnp.int32(0))
-    r = draw(model.logits(hidden[:, -1:])[:, 0], 0)  # the LM head at the last prompt slot only
+    cache = init_cache(model.config, B, P + _decode_segments(n_steps)[0], dtype=model.numerics.compute_dtype)
+    # every step's noise in one call (drawn per step, threefry's small loops, rolled on CPU, ran three times a step)
+    noise = draw_noise(jax.vmap(lambda n: row_keys(key, B, n))(jnp.arange(n_steps)), width)
+    hidden, cache = model.hidden_states(prompt_ids, positions, _key_mask(rows, P, cache.max_len), cache, jnp.int32(0))
+    r = _draw(noise, model.logits(hidden[:, -1:])[:, 0], rows, 0, width, head_size)  # the LM head at the last slot only
     out = {name: jnp.zeros((B, n_steps) + getattr(r, field).shape[1:], getattr(r, field).dtype)
            for name, field in _RECORDED.items()}
-    state = _DecodeState(jnp.int32(1), r.token, stops(r.token) | (max_new <= 1), jnp.ones((B,), jnp.int32), cache,
-                         _record(out, r, 0))
+    return _DecodeState(jnp.int32(1), r.token, _stops(rows, r.token) | (rows.max_new <= 1), jnp.ones((B,), jnp.int32),
+                        cache, _record(out, r, 0)), noise
 
-    def decode(state: _DecodeState, last_step: int) -> _DecodeState:
-        """Steps ``state.step .. min(last_step, N - 1)`` (slots up to ``P + last_step - 1``) over
-        the cache as sized, ``P + last_step`` slots; stops early once every row is done."""
-        mask = key_mask[:, : state.cache.max_len]
 
-        def cond(s: _DecodeState):
-            aborted = jax.lax.cond(s.step % max(1, n_steps // ABORT_CHECKS) == 0,
-                                   lambda: io_callback(_ABORTS.aborted, jax.ShapeDtypeStruct((), jnp.bool_), call),
-                                   lambda: jnp.bool_(False))
-            return (s.step <= last_step) & (s.step < n_steps) & ~jnp.all(s.done) & ~aborted
+@functools.partial(jax.jit, static_argnames=("slots",))
+def _grow(state: _DecodeState, *, slots: int) -> _DecodeState:
+    return state._replace(cache=grow_cache(state.cache, slots))
 
-        def body(s: _DecodeState):
-            pos = (prompt_lens + s.step - 1)[:, None]
-            logits, cache = model(s.token[:, None], pos, mask, s.cache, P + s.step - 1)
-            r = draw(logits[:, 0], s.step)
-            return _DecodeState(s.step + 1, jnp.where(s.done, s.token, r.token),
-                                s.done | stops(r.token) | (s.step + 1 >= max_new),
-                                jnp.where(s.done, s.lengths, s.step + 1), cache, _record(s.out, r, s.step))
 
-        return jax.lax.while_loop(cond, body, state)
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "prompt_slots"), donate_argnames=("state",))
+def _decode(leaves, state: _DecodeState, noise, rows: _Rows, end, *, graphdef, treedef, n_steps, width, head_size,
+            prompt_slots):
+    """KV-cached decode steps ``state.step ..`` before step ``end`` (int32; at most ``N - 1``),
+    over the cache as sized; stops early once every row is done. Step ``n`` feeds token ``n - 1``
+    at slot ``P + n - 1`` (``P = prompt_slots``) and samples token ``n``."""
+    model = _model(leaves, graphdef, treedef)
+    P = prompt_slots
+    mask = _key_mask(rows, P, state.cache.max_len)
 
-    for j, last_step in enumerate(segments):
-        if j:
-            state = state._replace(cache=grow_cache(state.cache, P + last_step))
-        state = decode(state, last_step)
+    def body(s: _DecodeState) -> _DecodeState:
+        pos = (rows.prompt_lens + s.step - 1)[:, None]
+        logits, cache = model(s.token[:, None], pos, mask, s.cache, P + s.step - 1)
+        r = _draw(noise, logits[:, 0], rows, s.step, width, head_size)
+        return _DecodeState(s.step + 1, jnp.where(s.done, s.token, r.token),
+                            s.done | _stops(rows, r.token) | (s.step + 1 >= rows.max_new),
+                            jnp.where(s.done, s.lengths, s.step + 1), cache, _record(s.out, r, s.step))
+
+    return jax.lax.while_loop(lambda s: (s.step < end) & ~jnp.all(s.done), body, state)
+
+
+def _generate_chunk(leaves, prompt_ids, rows: _Rows, key, call: int, **static) -> dict[str, jax.Array]:
+    """Prefill + KV-cached decode of one padded chunk (see the module docstring), as compiled
+    programs run from here: :func:`_prefill`, then the :func:`_decode_runs` (a cache grown by
+    :func:`_grow` between the two cache sizes). Between runs the host checks whether ``call``
+    was aborted (:data:`_ABORTS`) and stops if so, or once every row is done. No program calls
+    back into Python, so each is kept in JAX's persistent compilation cache. Returns a dict of
+    tokens, logprobs, count [B, N], support_ids, support_logprobs [B, N, W], cap_bound [B, N],
+    lengths [B] and done [B] (False: the row was cut by an abort)."""
+    state, noise = _prefill(leaves, prompt_ids, rows, key, **static)
+    P = prompt_ids.shape[1]
+    for end, cache in _decode_runs(static["n_steps"]):
+        if bool(jnp.all(state.done)) or _ABORTS.aborted(call):
+            break
+        if P + cache > state.cache.max_len:
+            state = _grow(state, slots=P + cache)
+        state = _decode(leaves, state, noise, rows, np.int32(end), prompt_slots=P, **static)
     return dict(state.out, lengths=state.lengths, done=state.done)
+
+
+def compiled_programs() -> int:
+    """How many programs the embedded engine has compiled in this process (for tests: a weight
+    update or a repeated shape compiles none)."""
+    return sum(program._cache_size() for program in (_prefill, _grow, _decode))
 
 
 class EmbeddedSampler:
@@ -467,8 +520,8 @@ class EmbeddedSampler:
             max_new[b] = r.max_new_tokens
             stop_ids[b, : len(r.stop_token_ids)] = r.stop_token_ids
         start = time.perf_counter()
-        res = _generate_chunk(leaves, prompt_ids, prompt_lens, temperature, top_k, top_p, max_new, stop_ids, key,
-                              np.int32(call), graphdef=self._graphdef, treedef=self._treedef, n_steps=N, width=self.width,
+        res = _generate_chunk(leaves, prompt_ids, _Rows(prompt_lens, temperature, top_k, top_p, max_new, stop_ids), key,
+                              call, graphdef=self._graphdef, treedef=self._treedef, n_steps=N, width=self.width,
                               head_size=self.head_size)
         res = jax.tree.map(np.asarray, jax.device_get(res))
         elapsed = time.perf_counter() - start
