@@ -156,6 +156,25 @@ def test_switching_the_trainer_kind():
     assert isinstance(c.trainer, MegatronTrainerConfig) and c.trainer.mesh.tensor == 8
 
 
+@pytest.mark.parametrize("shorthand, axis", [("tensor_parallel", "tensor"), ("data_parallel", "data")])
+def test_a_megatron_mesh_shorthand_overrides_the_files_mesh_axis(shorthand, axis):
+    c = load_config("tiny_mixed.yaml", ["trainer.kind=megatron", "trainer.world_size=2", f"trainer.{shorthand}=2"])
+    assert c.trainer.mesh.model_dump() == {"data": 1, "fsdp": -1, "tensor": 1, "pipeline": 1} | {axis: 2}
+    assert shorthand not in c.trainer.model_dump()  # kept once, in the mesh
+
+
+def test_a_mesh_shorthand_in_a_file_sets_its_axis_and_may_not_contradict_the_mesh():
+    assert MegatronTrainerConfig(kind="megatron", data_parallel=4).mesh.model_dump() == {
+        "data": 4, "fsdp": -1, "tensor": 1, "pipeline": 1}
+    with pytest.raises(ValueError, match="does not run pipeline stages yet"):
+        MegatronTrainerConfig(kind="megatron", pipeline_parallel=2)
+    assert MegatronTrainerConfig(kind="megatron", tensor_parallel=2, mesh={"tensor": 2}).mesh.tensor == 2
+    data = yaml.safe_load((CONFIG_DIR / "qwen3_b200_megatron.yaml").read_text())
+    data["trainer"]["tensor_parallel"] = 4  # the file's mesh says tensor: 2
+    with pytest.raises(ConfigError, match="tensor_parallel: 4 contradicts mesh.tensor: 2"):
+        validate_config(data)
+
+
 @pytest.mark.parametrize("override, message", [
     ("steps", "must look like key=value"),
     ("fleet..pools=1", "is malformed"),
@@ -178,7 +197,8 @@ def test_bad_overrides(override, message):
     ("trainer.mesh.tensor=0", "mesh axis sizes must be positive"),
     ("trainer.optimizer.learning_rate=-1", "Input should be greater than 0"),
     ("trainer.kind=pytorch", "Input tag 'pytorch' found using 'kind' does not match"),
-    ("trainer.tensor_parallel=2", "unknown key 'tensor_parallel'"),
+    ("trainer.sequence_parallel=2", "unknown key 'sequence_parallel'"),
+    ("trainer.tensor_parallel=0", "mesh axis sizes must be positive"),
     ("trainer.data.batch_size=4", "unknown key 'data'"),
     ("async.max_staleness=-1", "Input should be greater than or equal to 0"),
     ("async.stale_policy=keep", "Input should be 'drop' or 'regenerate'"),

@@ -53,6 +53,7 @@ from hetrl.errors import UserError
 from hetrl.core.checkpoints import CheckpointConfig
 from hetrl.core.correction import CorrectionConfig, correction_preset
 from hetrl.core.schema import SamplingParams
+from hetrl.core.training import MESH_SHORTHANDS
 from hetrl.envs.options import CodingEnvOptions, SyntheticEnvOptions
 from hetrl.samplers.fleet import FleetConfig
 from hetrl.trainer_jax.config import JaxTrainerConfig
@@ -367,6 +368,16 @@ def _parse_path(path: str) -> list[str | int]:
     return [m.group(1) if m.group(1) is not None else int(m.group(2)) for m in _TOKEN.finditer(path)]
 
 
+def _override_path(key: str) -> list[str | int]:
+    """The parsed path an override sets: a mesh shorthand (``trainer.tensor_parallel``,
+    :data:`hetrl.core.training.MESH_SHORTHANDS`) sets its ``trainer.mesh`` axis, so that it
+    overrides the file's mesh like any other override."""
+    parts = _parse_path(key.strip())
+    if len(parts) == 2 and parts[0] == "trainer" and parts[1] in MESH_SHORTHANDS:
+        return ["trainer", "mesh", MESH_SHORTHANDS[parts[1]]]
+    return parts
+
+
 def format_path(parts: Sequence[str | int]) -> str:
     out = ""
     for p in parts:
@@ -381,7 +392,7 @@ def apply_override(data: dict[str, Any], override: str) -> None:
     key, sep, raw = override.partition("=")
     if not sep:
         raise ConfigError(f"override {override!r} must look like key=value")
-    parts = _parse_path(key.strip())
+    parts = _override_path(key)
     try:
         value = load_yaml(raw) if raw.strip() else None
     except yaml.YAMLError as err:
@@ -521,7 +532,7 @@ def _error_line(error: Mapping[str, Any], raw: Any, overrides: Sequence[str]) ->
     key = format_path(parts)
     if parts:
         for override in reversed(overrides):
-            target = _parse_path(override.partition("=")[0].strip())
+            target = _override_path(override.partition("=")[0])
             if _is_prefix(target, parts) or _is_prefix(parts, target):
                 return f"--set {override}: {message}" if len(target) >= len(parts) else f"--set {override}: {key}: {message}"
     return f"{key}: {message}" if key else message

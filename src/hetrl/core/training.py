@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["OptimizerConfig", "MeshConfig", "MESH_AXES", "TrainerSettings"]
+__all__ = ["OptimizerConfig", "MeshConfig", "MESH_AXES", "MESH_SHORTHANDS", "TrainerSettings"]
 
 
 class _Frozen(BaseModel):
@@ -101,6 +101,11 @@ class MeshConfig(_Frozen):
         return tuple(sizes)  # type: ignore[return-value]
 
 
+MESH_SHORTHANDS: dict[str, str] = {"tensor_parallel": "tensor", "data_parallel": "data", "pipeline_parallel": "pipeline"}
+"""Megatron's names for the mesh axes, accepted as ``trainer`` keys on input
+(``trainer.tensor_parallel: 2`` is ``trainer.mesh.tensor: 2``); the layout is kept once, in ``mesh``."""
+
+
 class TrainerSettings(_Frozen):
     """What every trainer is configured by (each trainer's config narrows ``kind`` and adds its own keys):
     ``compute_dtype`` (``bf16``: FP32 master weights, BF16 matmul inputs and activations with
@@ -118,3 +123,20 @@ class TrainerSettings(_Frozen):
     mesh: MeshConfig = MeshConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     normalize_advantage_std: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _mesh_shorthands(cls, data: object) -> object:
+        """Moves :data:`MESH_SHORTHANDS` keys into ``mesh``; a shorthand and a mesh axis that disagree are refused."""
+        if not isinstance(data, dict) or not MESH_SHORTHANDS.keys() & data.keys():
+            return data
+        data = dict(data)
+        mesh = data.get("mesh", {})
+        mesh = mesh.model_dump(exclude_unset=True) if isinstance(mesh, MeshConfig) else dict(mesh)
+        for key, axis in MESH_SHORTHANDS.items():
+            if key in data:
+                size = data.pop(key)
+                if mesh.setdefault(axis, size) != size:
+                    raise ValueError(f"{key}: {size} contradicts mesh.{axis}: {mesh[axis]} (the same axis): set one of them")
+        data["mesh"] = mesh
+        return data
