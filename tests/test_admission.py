@@ -127,10 +127,27 @@ def test_rejections_slide_out_of_the_window():
     assert g.admit("p", [bad[3]], published_version=PUBLISHED).quarantined is not None  # 3 of 4
 
 
-def test_a_pool_of_stale_rollouts_is_quarantined():
+def test_a_pool_of_stale_rollouts_is_quarantined_after_a_window_of_warm_up():
     g = gate(max_rejection_rate=0.5, min_rollouts=2, window=4)
-    out = g.admit("stuck", [good("stuck", version=0, seed=i) for i in range(2)], published_version=PUBLISHED)
+    for seeds in ((0, 1), (2, 3)):  # no fresh rollout yet: its warm-up, up to a window of stale ones
+        out = g.admit("stuck", [good("stuck", version=0, seed=i) for i in seeds], published_version=PUBLISHED)
+        assert out.quarantined is None and len(out.stale) == 2
+    out = g.admit("stuck", [good("stuck", version=0, seed=i) for i in (4, 5)], published_version=PUBLISHED)
     assert out.quarantined is not None and STALE in out.quarantined and out.stale == []
+    assert g.metrics()[f"pool/stuck/admission/rejected/{STALE}"] == 6  # the warm-up's stale rollouts count as drops
+
+
+def test_a_pool_stale_while_it_warms_up_is_judged_from_its_first_fresh_rollout_on():
+    g = gate(max_rejection_rate=0.5, min_rollouts=2, window=4)
+    slow_start = [good("p", version=0, seed=i) for i in range(3)]  # its first call outlived three steps (compiling)
+    assert g.admit("p", slow_start, published_version=PUBLISHED).quarantined is None
+    assert g.admit("p", [good("p", seed=3), good("p", seed=4)], published_version=PUBLISHED).admitted  # warm
+    assert g.metrics()["pool/p/admission/rejection_rate"] == 0.0
+    assert g.admit("p", [good("p", version=0, seed=i) for i in (5, 6)], published_version=PUBLISHED).quarantined is None
+    assert g.admit("p", [good("p", version=0, seed=7)], published_version=PUBLISHED).quarantined is not None  # 3 of 4
+    again = gate(max_rejection_rate=0.5, min_rollouts=2, window=4)
+    again.restore_state(g.state())
+    assert again.state() == g.state()
 
 
 @pytest.mark.parametrize("kwargs", [dict(max_rejection_rate=1.5), dict(min_rollouts=0), dict(min_rollouts=9, window=8)])

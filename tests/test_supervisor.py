@@ -135,8 +135,8 @@ def test_dead_replicas_are_rebuilt_after_the_delay_at_most_max_per_replica_times
         sup.tend(need_replicas=True)
 
 
-def _stale(pool: str, seed: int):
-    r, _ = random_rollout(np.random.default_rng(seed), vocab=50, response_len=4, pool=pool, version=0,
+def _rollout(pool: str, seed: int, version: int = 0):
+    r, _ = random_rollout(np.random.default_rng(seed), vocab=50, response_len=4, pool=pool, version=version,
                           rollout_id=f"{pool}-{seed}")
     return r
 
@@ -145,9 +145,9 @@ def test_the_gate_quarantine_takes_the_pool_out_of_routing_and_is_never_restarte
     a, b = Fake(A), Fake(B)
     fleet, sup, clock, revived, errors, threads = setup(a, b, max_rejection_rate=0.5, min_rollouts=2, window=4)
     fleet.publish_weights(5, {})
-    admission = sup.admit(A.name, [_stale(A.name, 0)], published_version=5)
-    assert admission.quarantined is None and fleet.replicas[0].alive
-    admission = sup.admit(A.name, [_stale(A.name, 1)], published_version=5)
+    admission = sup.admit(A.name, [_rollout(A.name, 0, version=5), _rollout(A.name, 1)], published_version=5)
+    assert admission.quarantined is None and fleet.replicas[0].alive  # one fresh, one stale (version 0)
+    admission = sup.admit(A.name, [_rollout(A.name, 2)], published_version=5)
     assert admission.quarantined and sup.is_quarantined(A.name) and set(sup.quarantined()) == {A.name}
     assert fleet.quarantined == sup.quarantined() and not fleet.replicas[0].alive
     clock.now += 100.0

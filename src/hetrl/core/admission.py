@@ -9,7 +9,11 @@ versions that were never published, ...) or when it claims to come from another 
 rollout whose oldest trainable token is more than ``max_staleness`` versions behind the latest
 published version is **stale**: it is not admitted either (the caller applies the run's stale
 policy, drop or regenerate), and it counts against its pool like a rejection (reason
-``stale``), so a pool that never loads new weights, or cannot keep up, is caught too.
+``stale``), so a pool that never loads new weights, or cannot keep up, is caught too. A pool's
+**warm-up** is not judged: the stale rollouts it returns before its first admitted one (its first
+calls include compiling, loading and connecting while the trainer moves on) stay out of its
+window, up to ``window`` of them; a pool that returns that many stale rollouts and no fresh one
+is judged on the next.
 
 Both are counted per pool and per reason (the field name, or ``stale``). A pool whose share of
 rejected or stale rollouts over its last ``window`` exceeds ``max_rejection_rate`` (judged once
@@ -73,6 +77,7 @@ class _PoolRecord:
     recent: deque = field(default_factory=deque)        # per rollout, last `window`: True = not admitted
     last_error: str = ""
     quarantined: str | None = None
+    warmup: int = 0  # stale rollouts returned before the first admitted one, not judged (at most `window`)
 
 
 class RolloutGate:
@@ -122,7 +127,10 @@ class RolloutGate:
             elif stale:
                 rec.last_error = (f"rollout {stale[-1].rollout_id!r} is stale: version {stale[-1].version_span()[0]} "
                                   f"is more than {self.max_staleness} behind {published_version}")
-            rec.recent.extend([False] * len(admitted) + [True] * (len(errors) + len(stale)))
+            judged_stale = len(stale)
+            if rec.admitted == 0 and not admitted and rec.warmup < self.config.window:  # its warm-up
+                rec.warmup, judged_stale = rec.warmup + len(stale), 0
+            rec.recent.extend([False] * len(admitted) + [True] * (len(errors) + judged_stale))
             while len(rec.recent) > self.config.window:
                 rec.recent.popleft()
             rate = sum(rec.recent) / len(rec.recent) if rec.recent else 0.0
@@ -141,14 +149,15 @@ class RolloutGate:
         JSON-able data (a checkpoint's; :meth:`restore_state` continues from it)."""
         with self._lock:
             return {pool: {"admitted": rec.admitted, "reasons": dict(rec.reasons), "recent": list(rec.recent),
-                           "last_error": rec.last_error, "quarantined": rec.quarantined}
+                           "last_error": rec.last_error, "quarantined": rec.quarantined, "warmup": rec.warmup}
                     for pool, rec in self._pools.items()}
 
     def restore_state(self, state: Mapping[str, Any]) -> None:
         """Continue from :meth:`state`'s record (a quarantined pool stays quarantined)."""
         with self._lock:
             self._pools = {pool: _PoolRecord(int(rec["admitted"]), Counter(rec["reasons"]), deque(rec["recent"]),
-                                             rec["last_error"], rec["quarantined"]) for pool, rec in state.items()}
+                                             rec["last_error"], rec["quarantined"], int(rec.get("warmup", 0)))
+                           for pool, rec in state.items()}
 
     def is_quarantined(self, pool: str) -> bool:
         with self._lock:
