@@ -3,6 +3,8 @@ fixtures every test module gets: the tiny HF checkpoints (:func:`tiny_checkpoint
 ``tiny_checkpoints`` / ``hf_models`` of :mod:`conftest_models`). Rollouts are built by
 :mod:`factories`; the override set of a tiny run is :mod:`tiny_run`."""
 
+import collections
+import json
 import os
 import pathlib
 
@@ -43,3 +45,34 @@ def tiny_checkpoint(tmp_path_factory):
         return built[key]
 
     return build
+
+
+# ---------------------------------------------------------------------- heaviest files first
+FILE_SECONDS = pathlib.Path(__file__).with_name("file_seconds.json")
+"""Each test file's measured seconds (setup, call and teardown of its tests, on 2 cores), so
+that the pytest-xdist workers take the heaviest files first (``make test`` runs ``--dist
+loadfile --no-loadscope-reorder``): taken in name order, the longest files (minutes each) came
+last and one worker finished them alone. A file not in the table counts as quick. Refresh it
+with ``pytest --store-file-seconds`` (the whole suite)."""
+
+
+def pytest_addoption(parser):
+    parser.addoption("--store-file-seconds", action="store_true",
+                     help=f"write each test file's measured seconds to {FILE_SECONDS.name} (test order)")
+
+
+def pytest_collection_modifyitems(config, items):
+    seconds = json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.exists() else {}
+    items.sort(key=lambda item: -seconds.get(item.path.name, 0.0))  # stable: a file's own order holds
+
+
+_measured: collections.Counter = collections.Counter()
+
+
+def pytest_runtest_logreport(report):
+    _measured[pathlib.Path(report.fspath).name] += report.duration
+
+
+def pytest_sessionfinish(session):
+    if session.config.getoption("--store-file-seconds") and not hasattr(session.config, "workerinput"):
+        FILE_SECONDS.write_text(json.dumps({name: round(s, 1) for name, s in _measured.most_common()}, indent=1) + "\n")

@@ -32,17 +32,17 @@ from tiny_run import NO_EVAL, QUIET, replicas, set_args
 RUN_TIMEOUT_S = 600
 STEPS = 2
 LOSS_BOUND = 1e-6
-"""|loss(2 ranks) - loss(1 rank)|, absolute (measured: 0 for dp2, 1.2e-9 for tp2): FP32 with different summation
-orders only (TP: the row-parallel projections' partial sums are all-reduced across the two ranks;
-DP: each rank sums its own rows' token losses and gradients, then the sums are all-reduced), i.e.
-rounding of a few ulps per reduction, far below any real difference (one update of lr 5e-5
-changes the loss by more)."""
+"""|loss(2 ranks) - loss(1 rank)|, absolute (measured: 0 for dp2, 1.2e-9 for tp2; on the Ray
+backend 7e-10 dp2, 1.2e-9 tp2): FP32 with different summation orders only (TP: the row-parallel
+projections' partial sums are all-reduced across the two ranks; DP: each rank sums its own rows'
+token losses and gradients, then the sums are all-reduced), i.e. rounding of a few ulps per
+reduction, far below any real difference (one update of lr 5e-5 changes the loss by more)."""
 WEIGHT_BOUND = 1e-6
 """max |w(2 ranks) - w(1 rank)| over every exported weight after two AdamW steps: the gradient
 differences above are ~1e-7 relative, and Adam's normalized update moves each weight by at most
 lr = 5e-5 per step, so rounding differences in the gradient move the weights by far less than
-1e-6 (measured: 1.5e-8 dp2, 3.0e-8 tp2); a wrong shard, a missed reduction or a doubled gradient
-would differ by ~lr (5e-5) or more."""
+1e-6 (measured: 1.5e-8 dp2, 3.0e-8 tp2, the same on the Ray backend); a wrong shard, a missed
+reduction or a doubled gradient would differ by ~lr (5e-5) or more."""
 METRIC_RTOL, METRIC_ATOL = 1e-4, 1e-5
 """The trainer's other step metrics (grad norm, entropy, mismatch statistics): FP32 rounding over
 the rows in another order (data parallel: by rank), and for tensor parallel the log-probs' own
@@ -50,7 +50,8 @@ rounding (logits of magnitude ~10 summed across ranks: a few ulps, measured 2.4e
 |log p - log q|; tests/test_trainer_megatron.py bounds two-rank log-probs by 1e-5). A metric over
 one rank's share instead of the batch would be off by percent."""
 TRAINER_METRICS = ("grad_norm", "entropy", "advantage_abs_mean", "learning_rate")
-LAYOUTS = {"tp2": "trainer.mesh={data: 1, fsdp: 1, tensor: 2}", "dp2": "trainer.mesh={data: 2, fsdp: 1, tensor: 1}"}
+LAYOUTS = {"tp2": "trainer.tensor_parallel=2", "dp2": "trainer.data_parallel=2"}
+"""The two-rank layouts, as the issue's commands spell them (Megatron's names for trainer.mesh axes)."""
 JAX_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
 """The environment of the JAX runs: 2 fake CPU devices per process (the loop's and each trainer process's)."""
 
@@ -128,11 +129,12 @@ def test_two_ranks_train_the_one_rank_steps(tmp_path, one_rank, layout):
 
 
 @pytest.mark.slow
-def test_two_ranks_on_the_ray_backend_train_the_one_rank_steps(tmp_path, one_rank):
-    """Data parallel 2 as two rank actors in a placement group (hetrl.orchestrator.ray_backend):
-    the same rollouts (samplers in actors, same seeds), so the same bounds against the local 1-rank run."""
-    _assert_same_steps("ray-dp2", *_train(tmp_path, "trainer.world_size=2", LAYOUTS["dp2"], "backend=ray",
-                                          "ray.num_cpus=2"), *one_rank)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_two_ranks_on_the_ray_backend_train_the_one_rank_steps(tmp_path, one_rank, layout):
+    """Two rank actors in a placement group (hetrl.orchestrator.ray_backend): the same rollouts
+    (samplers in actors, same seeds), so the same bounds against the local 1-rank run."""
+    _assert_same_steps(f"ray-{layout}", *_train(tmp_path, "trainer.world_size=2", LAYOUTS[layout], "backend=ray",
+                                                "ray.num_cpus=2"), *one_rank)
 
 
 @pytest.mark.slow
