@@ -9,6 +9,7 @@ while training goes on with the others). A unit check drives the episode runner 
 generations: they are rejected naming the field, not raised, and never reach the environment.
 """
 
+import json
 import threading
 import time
 
@@ -25,7 +26,9 @@ from hetrl.models.tiny import TINY_QWEN3, build_tiny_checkpoint
 from hetrl.orchestrator.episodes import EpisodeRunner
 from hetrl.orchestrator.local import LocalOrchestrator
 from hetrl.samplers.base import Generation
-from hetrl.samplers.faults import Dies, Poisoned, Slow
+from hetrl.errors import UserError
+from hetrl.orchestrator.supervisor import FleetExhausted
+from hetrl.samplers.faults import Dies, InjectedFault, Poisoned, Slow
 from orchestrator_checks import (check_monotone_versions, check_outputs,
                                  check_requeued_exactly_once, check_staleness)
 from tiny_run import QUIET, TINY_BATCH
@@ -138,6 +141,41 @@ def test_a_dead_replica_is_restarted_and_serves_again(tmp_path):
     assert result.history[-1]["fleet/restarts"] == 1 and result.history[-1]["fleet/replicas_alive"] == 2
     assert result.rollout_versions.get("fast/1"), "the restarted replica never served"
     check_requeued_exactly_once(result, {r.split("/")[0] for r in killed[0].failed}, dead_replica="none")
+
+
+class DiesAtVersion(Slow):
+    """A sampler whose calls raise once it serves weight version ``version`` (a replica lost mid-run)."""
+
+    def __init__(self, inner, version: int):
+        super().__init__(inner, 0.0)
+        self.version = version
+
+    def generate(self, requests):
+        if self.inner.weight_version >= self.version:
+            raise InjectedFault("replica killed")
+        return self.inner.generate(requests)
+
+
+@pytest.mark.slow
+def test_a_fleet_with_no_replica_left_ends_checkpointed_with_one_error_naming_the_cause(tmp_path):
+    """The only replica dies after a few calls and may not be restarted: the run stops like a
+    user's stop (checkpointed at its last step, summary written) and raises one UserError that
+    says why, the replica's own error, and how to go on (--resume), instead of a traceback."""
+    cfg = load_config("tiny_homogeneous.yaml", [
+        f"output_dir={tmp_path}", QUIET, "steps=6", *TINY_BATCH, "async.schedule=lockstep", "async.max_staleness=0",
+        "fleet.pools=[{name: only, accelerator: h100, weight_precision: bf16}]", "fleet.restart={max_per_replica: 0}",
+        "environment.options={eval: {every: 0}}", "checkpointing.every=100",
+    ])
+    with pytest.raises(FleetExhausted) as err:
+        LocalOrchestrator(cfg, wrap_sampler=lambda pool, i, sampler: DiesAtVersion(sampler, 2), console=False).run()
+    message = str(err.value)
+    assert isinstance(err.value, UserError) and "\n" not in message
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    step = summary["version"]
+    assert step == 2 and summary["stopped"] and summary["error"] == message
+    assert "every sampler replica is dead or quarantined" in message and "InjectedFault" in message
+    assert f"Stopped at step {step}, checkpointed" in message and "--resume" in message
+    assert (tmp_path / "checkpoints" / str(step)).is_dir()  # not the every-100 policy's: saved on the way out
 
 
 @pytest.mark.slow

@@ -139,7 +139,7 @@ from hetrl.orchestrator.report import RunConsole, write_plots
 from hetrl.orchestrator.run_folder import RunFolder, write_atomic
 from hetrl.orchestrator.routing import make_router
 from hetrl.orchestrator.schedule import Driver, Schedule, make_schedule
-from hetrl.orchestrator.supervisor import ReplicaSupervisor
+from hetrl.orchestrator.supervisor import FleetExhausted, ReplicaSupervisor
 from hetrl.orchestrator.tasks import TaskSource
 from hetrl.orchestrator.trainer_handle import TrainerHandle, TrainerSetup
 from hetrl.orchestrator.transport import SharedDiskTransport, WeightPublisher, WeightTransport
@@ -619,6 +619,7 @@ class AsyncOrchestrator(abc.ABC):
         self.schedule.start()
         a = cfg.async_
         recorder.start()
+        exhausted: FleetExhausted | None = None
         try:
             self.display.start_training(self.trainer.version)
             with self.display:
@@ -662,6 +663,8 @@ class AsyncOrchestrator(abc.ABC):
                     if self.trainer.save(force=False):
                         self._snapshot_state(weights)
                     recorder.commit(record)
+        except FleetExhausted as err:  # ends like a stop (checkpointed, summarized), then reported
+            exhausted = err
         finally:
             self._shutdown()
             writer.close()
@@ -692,7 +695,12 @@ class AsyncOrchestrator(abc.ABC):
             **({k.replace("chaos/", "chaos_"): int(v) for k, v in self.chaos_ledger.metrics().items()}
                if cfg.fleet.chaos is not None else {}),
         }
+        if exhausted is not None:
+            final["error"] = (f"{exhausted}. Stopped at step {self.trainer.version}, checkpointed: fix the pools, "
+                              f"then run the same command with --resume")
         self.folder.summary.write_text(json.dumps(final, indent=2))
+        if exhausted is not None:
+            raise FleetExhausted(final["error"]) from None
         led = self.ledger
         return RunResult(history, final, list(led.trained), list(led.received), list(led.submitted),
                          list(led.closed["retracted"]), {k: list(v) for k, v in self._rollout_versions.items()},

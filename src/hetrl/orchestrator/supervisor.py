@@ -19,7 +19,7 @@ asks the supervisor, never the fleet, about them:
   last attempt failed), each in its own thread (``start_thread``, joined by the loop's
   shutdown): the sampler is built again (``rebuild``), must answer healthy, and is put back into
   routing (:meth:`Fleet.revive`); the schedule is told (``on_revived``). When no replica is alive
-  and none can come back, :meth:`tend` raises :class:`FleetError`.
+  and none can come back, :meth:`tend` raises :class:`FleetExhausted`.
 * **Quarantine.** :meth:`admit` passes a replica's rollouts through the
   :class:`hetrl.core.admission.RolloutGate`, the record of rejections per pool and reason and of
   quarantine; when the gate quarantines a pool, the fleet takes it out of routing at once. The
@@ -43,16 +43,21 @@ from typing import Any, Callable, Mapping, Sequence
 
 from hetrl.core.admission import Admission, RolloutGate
 from hetrl.core.schema import Rollout, RolloutError
+from hetrl.errors import UserError
 from hetrl.samplers.base import Sampler, SamplerHealth, abort, can_abort
 from hetrl.samplers.fleet import Fleet, FleetError, Replica, RestartPolicy
 
-__all__ = ["ReplicaSupervisor"]
+__all__ = ["ReplicaSupervisor", "FleetExhausted"]
 
 log = logging.getLogger(__name__)
 
 StartThread = Callable[[Callable[[Replica], None], Replica, str], None]
 """``start_thread(target, replica, name)``: run ``target(replica)`` in a thread the loop joins."""
 
+
+class FleetExhausted(FleetError, UserError):
+    """No sampler replica is alive and none can come back (dead past the restart policy, or
+    quarantined): the run cannot go on until the pools are fixed (the loop checkpoints first)."""
 
 class ReplicaSupervisor:
     """Health, restarts, quarantine and aborts of ``fleet``'s replicas (see the module docstring).
@@ -112,8 +117,10 @@ class ReplicaSupervisor:
                 self._attempts[r.key] = self._attempts.get(r.key, 0) + 1
             self._start_thread(self._restart, r, f"restart-{r.key}")
         if need_replicas and not pending and not any(r.alive for r in self.fleet.replicas):
-            raise FleetError("every sampler replica is dead or quarantined; the run cannot continue "
-                             f"(quarantined: {self.quarantined() or 'none'})")
+            causes = [f"{r.key}: {r.cause}" for r in self.fleet.replicas if r.cause]
+            raise FleetExhausted("every sampler replica is dead or quarantined and none is being restarted "
+                                 f"(quarantined: {', '.join(self.quarantined()) or 'none'}; what killed the replicas: "
+                                 f"{'; '.join(causes[:3]) or 'nothing recorded'}{' ...' if len(causes) > 3 else ''})")
         return pending
 
     def _restart(self, replica: Replica) -> None:

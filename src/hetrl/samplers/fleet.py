@@ -410,6 +410,7 @@ class Replica:
     in_flight: list = field(default_factory=list)   # jobs of the running generate call
     busy_s: float = 0.0
     died_at: float | None = None  # time.monotonic() of its death (None: alive, or never died)
+    cause: str = ""  # what killed it last ("ExceptionType: first line of its message")
     restarts: int = 0
 
     @property
@@ -843,9 +844,10 @@ class Fleet:
     def _fail(self, r: Replica, error: Exception) -> None:
         """Mark ``r`` dead (logging ``error``, what killed it) and put its jobs back at the front
         of the queue, in order."""
-        log.warning("replica %s failed: %s: %s", r.key, type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+        cause = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        log.warning("replica %s failed: %s", r.key, cause)
         with self._cond:
-            r.alive, r.died_at = False, time.monotonic()
+            r.alive, r.died_at, r.cause = False, time.monotonic(), cause
             jobs = list(r.in_flight) + list(r.assigned)
             r.in_flight, r.assigned = [], deque()
             stats = self._stats[r.pool.name]
