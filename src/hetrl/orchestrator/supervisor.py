@@ -59,6 +59,7 @@ class FleetExhausted(FleetError, UserError):
     """No sampler replica is alive and none can come back (dead past the restart policy, or
     quarantined): the run cannot go on until the pools are fixed (the loop checkpoints first)."""
 
+
 class ReplicaSupervisor:
     """Health, restarts, quarantine and aborts of ``fleet``'s replicas (see the module docstring).
 
