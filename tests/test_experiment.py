@@ -17,7 +17,7 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hetrl.experiment import claims
+from hetrl.experiment import claims, power
 from hetrl.experiment.config import ExperimentConfig, ExperimentError, load_experiment
 from hetrl.experiment.fleets import draw_fleets
 from hetrl.experiment.measures import run_values
@@ -92,6 +92,37 @@ def test_ols_slope_needs_two_distinct_x():
     assert math.isnan(ols_slope([1.0], [2.0])) and math.isnan(ols_slope([3.0, 3.0], [1.0, 2.0]))
 
 
+@given(st.floats(1e-3, 1.0), st.integers(2, 60))
+def test_half_width_is_the_welch_interval_of_two_equal_spread_arms(sd, n):
+    """Two arms of n runs whose sample sd is exactly ``sd``: the Welch interval of their difference
+    is t(2n−2)·sd·√(2/n) wide on each side, the half-width the power analysis plans with."""
+    z = np.arange(n, dtype=float)
+    unit = (z - z.mean()) / z.std(ddof=1)
+    est = welch_interval(list(1.0 + sd * unit), list(sd * unit))
+    assert (est.hi - est.lo) / 2 == pytest.approx(power.half_width(sd, n), rel=1e-6)
+
+
+@given(st.floats(1e-3, 0.2), st.floats(1e-3, 0.1))
+def test_seeds_for_margin_is_the_fewest_that_resolve_it(sd, margin):
+    n = power.seeds_for_margin(sd, margin)
+    if n is None:
+        assert power.half_width(sd, power.MAX_SEEDS) > margin
+        return
+    assert power.half_width(sd, n) <= margin and (n == 2 or power.half_width(sd, n - 1) > margin)
+
+
+def test_pooled_sd_projection_and_run_time():
+    sd, dof = power.pooled_sd([[1.0, 2.0, 3.0], [5.0, 7.0], [4.0], [float("nan"), 1.0, 1.0]])
+    assert dof == 2 + 1 + 1 and sd == pytest.approx(math.sqrt((2.0 + 2.0 + 0.0) / 4))
+    assert math.isnan(power.pooled_sd([[1.0]])[0])
+    p, e0 = 0.15, 140
+    assert power.projected_sd(0.05, p, e0, e0) == pytest.approx(0.05)  # same episodes: same spread
+    assert power.projected_sd(0.05, p, e0, 10**9) == pytest.approx(math.sqrt(0.05**2 - p * (1 - p) / e0))
+    assert power.projected_sd(0.01, p, e0, 4 * e0) == pytest.approx(0.005)  # below the binomial sd: all of it noise
+    assert power.run_seconds(300.0, 3, 20.0, 140, 140) == 300.0
+    assert power.run_seconds(300.0, 3, 20.0, 140, 560) == 300.0 + 3 * 20.0 * 3
+
+
 # ====================================================================== verdicts
 def _est(lo, hi, value=None):
     return Estimate((lo + hi) / 2 if value is None else value, lo, hi, 3)
@@ -113,6 +144,9 @@ def test_other_verdicts_and_combining():
     assert claims.not_worse_verdict(_est(-0.01, 0.05), 0.02) == claims.AGREES
     assert claims.not_worse_verdict(_est(-0.09, -0.05), 0.02) == claims.DISAGREES
     assert claims.not_worse_verdict(_est(-0.05, 0.01), 0.02) == claims.INCONCLUSIVE
+    assert claims.worse_verdict(_est(-0.05, -0.001), 0.02) == claims.AGREES  # worse, even if by less than the margin
+    assert claims.worse_verdict(_est(-0.019, 0.03), 0.02) == claims.DISAGREES  # not worse by more than the margin
+    assert claims.worse_verdict(_est(-0.03, 0.01), 0.02) == claims.INCONCLUSIVE
     assert claims.ratio_verdict(Estimate(2.0, math.nan, math.nan, 1), 4.7) == claims.NO_INTERVAL
     assert claims.combine([claims.AGREES, claims.AGREES]) == claims.AGREES
     assert claims.combine([claims.AGREES, claims.DISAGREES, claims.NO_INTERVAL]) == claims.DISAGREES
@@ -127,7 +161,8 @@ def _grid(**extra) -> dict:
                  "mixed": {"base": "tiny_mixed.yaml", "overrides": {"correction.preset": "none"}},
                  "fixed": {"base": "tiny_mixed.yaml", "overrides": {"correction.preset": "hetrl"}},
                  "partial": {"base": "tiny_mixed.yaml", "overrides": {"correction.preset": "none"}}},
-        "analyses": {"e1": {"mixed": "mixed", "homogeneous": "homog"}, "e2": {"arms": ["homog", "mixed", "fixed"]},
+        "analyses": {"e1": {"mixed": "mixed", "homogeneous": "homog"}, "e2": {"arms": ["homog", "mixed", "fixed"], "homogeneous": "homog",
+                                                                 "uncorrected": "mixed", "corrected": "fixed"},
                      "e3": {"corrected": "fixed", "homogeneous": "homog"},
                      "e4": {"uncorrected": "partial", "corrected": "fixed", "mixed_uncorrected": "mixed"}},
     }
@@ -145,10 +180,15 @@ def _write(tmp_path: pathlib.Path, data: dict) -> pathlib.Path:
     (lambda d: d["arms"]["homog"].update(overide={}), r"arms\.homog\.overide: Extra inputs are not permitted"),
     (lambda d: d["analyses"]["e1"].update(mixed="nope"), r"analyses\.e1\.mixed: unknown arm 'nope'"),
     (lambda d: d.update(seeds=[1, 1]), r"seeds: .*distinct"),
-    (lambda d: d.update(caveats={"e2": "x"}), r"caveats\.e2: not an analysis that tests a claim"),
+    (lambda d: d.update(caveats={"power": "x"}), r"caveats\.power: not an analysis that tests a claim"),
     (lambda d: d.update(any_mixture={"min_pools": 3, "max_pools": 2}), r"min_pools <= max_pools"),
     (lambda d: d.update(any_mixture={"kinds": ["fp32"]}), r"any_mixture\.kinds: .*unknown accelerator kind 'fp32'"),
     (lambda d: d.update(quick={"arms": ["gone"]}), r"quick\.arms\[0\]: unknown arm 'gone'"),
+    (lambda d: d["analyses"]["e2"].pop("corrected"), r"analyses\.e2: .*give all three or none"),
+    (lambda d: d["analyses"].update(power={"comparisons": {"c": ["mixed", "gone"]}, "plans": {"p": 3}}),
+     r"analyses\.power\.comparisons\.c\[1\]: unknown arm 'gone'"),
+    (lambda d: d["analyses"].update(power={"comparisons": {"c": ["mixed", "homog"]}, "plans": {"p": 3},
+                                           "margins": [0.0]}), r"analyses\.power\.margins: .*in \(0, 1\]"),
 ])
 def test_config_errors_name_the_key(tmp_path, edit, message):
     data = _grid()
@@ -225,8 +265,10 @@ def _megatron_arms(data: dict) -> dict:
 class FakeLauncher:
     """Writes synthetic metrics for a run instead of training, and counts launches: per arm a KL
     level (:data:`K3`) times ``1 + growth·step`` (no growth for corrected arms), a final score of
-    0.17 and a cost per token 0.85x for the corrected mixed arm ``fixed``; seed ``s`` scales the
-    KL by ``1 + 0.02(s − 1)`` and shifts the score by ``0.005(s − 1)``, so 3 seeds average out."""
+    0.17 (0.12 for the uncorrected mixed arm ``mixed``) and a cost per token 0.85x for the
+    corrected mixed arm ``fixed``; seed ``s`` scales the KL by ``1 + 0.02(s − 1)`` and shifts the
+    score by ``0.005(s − 1)``, so 3 seeds average out; every run's steps take 100 s, and its
+    evaluation at step 4 delays step 5 by 10 s."""
 
     def __init__(self, k3=K3, fail: set[str] = frozenset()):
         self.k3, self.fail, self.launched = k3, fail, []
@@ -241,10 +283,14 @@ class FakeLauncher:
         records = [{"step": 0, "eval/success": 0.15}]
         for t in range(1, spec.steps + 1):
             records.append({"step": t, "mismatch/k3": level * (1 + growth * t), "mismatch/masked_frac/any": 0.01,
+                            "time/wall_s": 100.0 * t / spec.steps + (10.0 if t > 4 else 0.0),
                             "grad_norm": 0.1 * (5.0 if t == 3 else 1.0 + 0.01 * t),
                             "fleet/cost/usd": 0.002 * t, "fleet/trained_tokens": 1000.0 * t,
                             "fleet/cost/usd_per_trained_token": 2e-6 * (0.85 if spec.arm == "fixed" else 1.0)})
-        records[-1]["eval/success"] = 0.17 + 0.005 * (spec.seed - 1)
+        records[-1]["eval/success"] = 0.17 + 0.005 * (spec.seed - 1) - (0.05 if spec.arm == "mixed" else 0.0)
+        records[-1]["eval/tasks"] = 140.0
+        if spec.steps >= 4:
+            records[4]["eval/success"] = 0.16
         (directory / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
         (directory / COMPLETE_MARKER).write_text(json.dumps({"version": spec.steps}))
         return 0
@@ -304,7 +350,7 @@ def check_report(out: pathlib.Path, plan: ExperimentPlan) -> str:
     positions = [text.find("\n" + s + "\n") for s in SECTIONS]
     assert -1 not in positions and positions == sorted(positions), "a section is missing or out of order"
     verdicts = re.findall(r"\*\*Verdict: (.+?)\.\*\*", text)
-    assert len(verdicts) == 4, verdicts
+    assert len(verdicts) == 5, verdicts
     allowed = (claims.AGREES, claims.DISAGREES, claims.INCONCLUSIVE, claims.NO_INTERVAL, "not tested")
     assert all(v.startswith(allowed) for v in verdicts), verdicts
 
@@ -321,9 +367,9 @@ def check_report(out: pathlib.Path, plan: ExperimentPlan) -> str:
             assert len(rows(2, f"`{arm}`")) == 1, f"E2 table has no row for {arm}"
     for arm in plan.arms:
         assert len(rows(3, f"`{arm}`")) == 1, f"E3 table has no row for {arm}"
-        assert len(rows(9, f"`{arm}`")) == 1, f"Appendix C has no row for {arm}"
+        assert len(rows(10, f"`{arm}`")) == 1, f"Appendix C has no row for {arm}"
     for run in plan.runs:
-        assert len(rows(7, run.key)) == 1, f"Appendix A has no row for {run.key}"
+        assert len(rows(8, run.key)) == 1, f"Appendix A has no row for {run.key}"
     if analyses.megatron is not None:
         for arm in analyses.megatron.references().values():
             assert len(rows(6, f"`{arm}`")) == 1, f"the Megatron table has no row for {arm}"
@@ -331,7 +377,7 @@ def check_report(out: pathlib.Path, plan: ExperimentPlan) -> str:
         assert len(rows(5, f"any{pair.fleet.index}")) == 1
     figures = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
     expected_figures = 1 + (3 if analyses.e2 else 0) + (1 if analyses.e1 else 0) + (1 if analyses.e4 else 0) + (
-        1 if plan.mixtures else 0) + (2 if analyses.megatron else 0)
+        1 if plan.mixtures else 0) + (2 if analyses.megatron else 0) + (1 if analyses.power else 0)
     assert len(figures) == expected_figures, figures
     for fig in figures:
         assert (out / fig).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", fig
@@ -353,7 +399,7 @@ def test_report_on_synthetic_runs_is_complete_and_judges_the_claims(tmp_path):
     verdicts = re.findall(r"\*\*Verdict: (.+?)\.\*\*", text)
     # the fake data is built to agree: 4.7x the KL (claim 1, with either trainer); the same score at 0.85x the cost
     # (2); the weight-aligned fleet at 2/4.7 of the mixed KL, growing uncorrected and flat corrected (3)
-    assert verdicts == [claims.AGREES] * 4
+    assert verdicts == [claims.AGREES] * 5
     assert "Every tested claim agrees." in text and "READING" not in text
     assert "### Claim 1 (E1, Megatron trainer)" in text
     # every arm scores like the homogeneous one; `fixed` is the one at 0.85x the cost per token
@@ -366,7 +412,8 @@ def test_report_on_synthetic_runs_is_complete_and_judges_the_claims(tmp_path):
     write_report(plan, out2, command="x")
     text = (out2 / REPORT_FILE).read_text()
     verdicts = re.findall(r"\*\*Verdict: (.+?)\.\*\*", text)
-    assert verdicts == [claims.DISAGREES, claims.AGREES, claims.DISAGREES, claims.AGREES]  # the Megatron arms kept 4.7x
+    # (the Megatron arms kept 4.7x)
+    assert verdicts == [claims.DISAGREES, claims.AGREES, claims.AGREES, claims.DISAGREES, claims.AGREES]
     # under the claims, each one that parts from the public result with the config's reading of it (or the lack of one)
     parting = text[text.index("### Where the measurement and the public result part"):text.index(SECTIONS[1])]
     assert "- **Claim 1 (E1), disagrees.** E1 READING: few tokens per step." in parting
@@ -387,6 +434,42 @@ def test_the_report_check_catches_an_incomplete_report(tmp_path):
     report.write_text(report.read_text().replace("| `fixed` |", "| fixed |", 1))
     with pytest.raises(AssertionError, match="no row for fixed"):
         check_report(out, plan)
+
+
+def test_the_power_section_sizes_the_grid_from_the_pooled_spread(tmp_path):
+    """A grid with a power analysis reports its pooled spread, the seeds per margin and episode
+    count (as the power module computes them) and each plan's runs and hours from the runs' own
+    timing; the timing values are in Appendix A."""
+    data = _grid(defaults={"steps": 8})
+    data["analyses"]["power"] = {"comparisons": {"uncorrected": ["mixed", "homog"]}, "margins": [0.01, 0.02],
+                                 "episodes": [140, 560], "plans": {"main": 3}, "jobs": 2, "budget_hours": 0.5}
+    plan = build_plan(*load_experiment(_write(tmp_path, data)))
+    out = tmp_path / "out"
+    run_grid(plan, out, launcher=FakeLauncher(), progress=False)
+    write_report(plan, out, command="x")
+    text = check_report(out, plan)
+    section = text[text.index(SECTIONS[7]):text.index(SECTIONS[8])]
+    # every arm's final scores are 0.17 + 0.005 (s − 1) (mixed 0.05 lower): a pooled sd of 0.005 over 4 arms x 2 dof
+    assert "σ = 0.0050 (8 degrees of freedom)" in section
+    p = (3 * 0.17 + 0.12) / 4
+    for margin in (0.01, 0.02):
+        cells = [str(power.seeds_for_margin(power.projected_sd(0.005, p, 140, e), margin)) for e in (140, 560)]
+        assert f"| {margin:g} | {' | '.join(cells)} |" in section
+    n = power.seeds_for_margin(0.005, 0.01)
+    hours = n * 3 * 120.0 / 2 / 3600  # a run: 110 s to its last record, then its last evaluation (10 s, as at step 4)
+    assert f"| main | 3 | 0.01 | {n * 3} runs, {hours:.1f} h |" in section
+    # four times the episodes: the spread (all of it held-out noise: 0.005 is below 140 episodes' binomial sd) halves,
+    # and each run's 3 evaluations take 3 x 10 s x 3 more
+    n4 = power.seeds_for_margin(0.0025, 0.01)
+    assert f"| main | 3 | 0.01 | {n * 3} runs, {hours:.1f} h | {n4 * 3} runs, {n4 * 3 * 210.0 / 2 / 3600:.1f} h |" in section
+    data["analyses"]["power"]["budget_hours"] = 0.001
+    plan = build_plan(*load_experiment(_write(tmp_path, data)))
+    write_report(plan, out, command="x")
+    assert f"| main | 3 | 0.01 | {n * 3} runs, {hours:.1f} h (over budget) |" in (out / REPORT_FILE).read_text()
+    assert "| `mixed` − `homog` | -0.050 [" in section
+    measures = json.loads((out / MEASURES_FILE).read_text())["runs"]["mixed/s0"]["values"]
+    assert measures["wall_s"] == 120.0 and measures["eval_s"] == pytest.approx(10.0)
+    assert measures["evaluations"] == 3 and measures["eval_episodes"] == 140
 
 
 def test_per_run_values_follow_their_definitions():
@@ -435,7 +518,8 @@ def test_hetrl_experiment_end_to_end_on_a_tiny_grid(tmp_path, monkeypatch, capsy
 
 @pytest.mark.parametrize("committed, grid, quick", [("default", "experiment_default", False),
                                                      ("default-quick", "experiment_default", True),
-                                                     ("e5", "experiment_e5", False)])
+                                                     ("e5", "experiment_e5", False),
+                                                     ("stress/pilot", "experiment_stress_pilot", False)])
 def test_the_committed_report_is_re_derived_from_its_raw_metrics(tmp_path, monkeypatch, capsys, committed, grid, quick):
     """`hetrl experiment configs/<grid>.yaml [--quick] --out <a copy of docs/results/...>`
     trains nothing and writes the committed REPORT.md and measures.json again from the per-run

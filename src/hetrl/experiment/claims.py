@@ -5,6 +5,8 @@
    fleet's at 15% lower cost (per trained token).
 3. (E4) Aligning only the weight precision lowers the mismatch, but it keeps growing over
    training; the correction stops the growth.
+4. (E2) Uncorrected, the mixed fleet's final held-out score falls below the homogeneous fleet's;
+   corrected, it matches.
 
 A claim is split into findings, each a statistic with its 95% interval
 (:mod:`hetrl.experiment.statistics`) judged by one rule of :data:`VERDICT_RULES`.
@@ -16,12 +18,13 @@ import functools
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
-from hetrl.experiment.config import CostAnalysis, MismatchAnalysis, PartialAlignmentAnalysis
+from hetrl.experiment.config import CostAnalysis, MismatchAnalysis, PartialAlignmentAnalysis, StabilityAnalysis
 from hetrl.experiment.statistics import Estimate, bootstrap_ratio, t_interval, welch_interval
 
 __all__ = ["VERDICT_RULES", "AGREES", "DISAGREES", "INCONCLUSIVE", "NO_INTERVAL", "ArmValues", "Finding", "Claim",
            "ratio_verdict", "above_verdict", "below_verdict", "not_above_verdict", "not_worse_verdict",
-           "combine", "column", "claim_mismatch", "claim_cost", "claim_partial_alignment"]
+           "worse_verdict", "combine", "column", "claim_mismatch", "claim_stability", "claim_cost",
+           "claim_partial_alignment"]
 
 AGREES = "agrees"
 DISAGREES = "disagrees"
@@ -35,7 +38,8 @@ established and the claimed size is compatible), *disagrees* if r is outside `[l
 interval holds both r and 1); **above b**: *agrees* if `lo > b`, *disagrees* if `hi < b`, else *inconclusive*; \
 **below b** mirrors it; **not above b**: *disagrees* if `lo > b`, else *agrees* (no evidence of exceeding b); \
 **not worse by more than m** (a difference `x − y`): *agrees* if `lo >= −m`, *disagrees* if `hi < −m`, else \
-*inconclusive*. Without an interval (fewer than two runs in an arm) a finding is *inconclusive*, saying why. A claim \
+*inconclusive*; **worse (margin m)** (a difference `x − y`): *agrees* if `hi < 0` (x is worse), *disagrees* if \
+`lo >= −m` (x is not worse by more than m), else *inconclusive*. Without an interval (fewer than two runs in an arm) a finding is *inconclusive*, saying why. A claim \
 agrees when every finding agrees, disagrees when any finding disagrees, and is inconclusive otherwise."""
 """The verdict rules (Markdown), printed in the report."""
 
@@ -81,6 +85,11 @@ def not_worse_verdict(est: Estimate, margin: float) -> str:
     return AGREES if est.lo >= -margin else DISAGREES if est.hi < -margin else INCONCLUSIVE
 
 
+@_needs_interval
+def worse_verdict(est: Estimate, margin: float) -> str:
+    return AGREES if est.hi < 0.0 else DISAGREES if est.lo >= -margin else INCONCLUSIVE
+
+
 def combine(verdicts: Sequence[str]) -> str:
     """The claim's verdict from its findings' (module docstring)."""
     if DISAGREES in verdicts:
@@ -119,6 +128,7 @@ CLAIM_TEXTS = {
     1: "The mixed fleet's sampler–trainer KL is 4.7x the homogeneous BF16 fleet's.",
     2: "With the correction, the mixed fleet's final score matches the homogeneous fleet's at 15% lower cost.",
     3: "Partial alignment (weights only) lowers the mismatch but it keeps growing; the correction stops the growth.",
+    4: "Uncorrected, the mixed fleet's final score falls below the homogeneous fleet's; corrected, it matches.",
 }
 
 
@@ -136,6 +146,24 @@ def claim_mismatch(e1: MismatchAnalysis | None, values: ArmValues, experiment: s
         f"mean KL k3 ratio `{e1.mixed}` / `{e1.homogeneous}` = {e1.claimed_ratio:g}",
         f"{ratio.format('.2f')} (ratio of {_src(e1.mixed, 'k3_mean')} over {_src(e1.homogeneous, 'k3_mean')})",
         ratio_verdict(ratio, e1.claimed_ratio)),))
+
+
+def claim_stability(e2: StabilityAnalysis | None, values: ArmValues) -> Claim:
+    """Claim 4: final held-out success (Welch differences): uncorrected − homogeneous is below 0
+    (*worse*, margin ``score_margin``), corrected − homogeneous is not worse by more than
+    ``score_margin``."""
+    if e2 is None or not e2.tests_claim:
+        return Claim(4, CLAIM_TEXTS[4], "E2", ())
+    base, m = column(values, e2.homogeneous, "heldout_end"), e2.score_margin
+    findings = []
+    for arm, says, verdict in ((e2.uncorrected, f"< 0 (falls; margin {m:g})", worse_verdict),
+                               (e2.corrected, f">= −{m:g} (matches)", not_worse_verdict)):
+        diff = welch_interval(column(values, arm, "heldout_end"), base)
+        findings.append(Finding(
+            f"final held-out success `{arm}` − `{e2.homogeneous}` {says}",
+            f"{diff.format('+.3f')} (Welch; {_src(arm, 'heldout_end')} minus "
+            f"{_src(e2.homogeneous, 'heldout_end')})", verdict(diff, m)))
+    return Claim(4, CLAIM_TEXTS[4], "E2", tuple(findings))
 
 
 def claim_cost(e3: CostAnalysis | None, values: ArmValues) -> Claim:

@@ -1,5 +1,6 @@
-"""The experiment grid as a typed config: arms x seeds, the analyses E1..E4, an any-mixture sweep
-of random fleets, and a ``quick`` scale of the same grid (DESIGN §6).
+"""The experiment grid as a typed config: arms x seeds, the analyses E1..E4 (and a power analysis
+from a pilot grid's spread), an any-mixture sweep of random fleets, and a ``quick`` scale of the
+same grid (DESIGN §6).
 
 A YAML file (``configs/experiment_default.yaml``) holds::
 
@@ -22,7 +23,7 @@ The analyses name the arms they compare, so the file says which runs answer whic
 every name must be an arm of the grid. ``quick`` scales the grid down (fewer seeds, cheaper
 ``defaults`` merged over the full ones, a subset of the arms, fewer random fleets); an analysis
 whose arms the quick grid leaves out is dropped from it (E2 keeps the arms that remain).
-``caveats`` (by claim-testing analysis: e1, e3, e4, megatron) is the author's reading of what the
+``caveats`` (by claim-testing analysis: e1, e2, e3, e4, megatron) is the author's reading of what the
 tiny scale may explain where a measured figure and the public claim part; the report prints it
 under every claim whose verdict is not *agrees*.
 
@@ -44,7 +45,7 @@ from hetrl.samplers.profiles import CATALOGUE, REFERENCE_KIND
 
 __all__ = [
     "ExperimentError", "Overrides", "ArmConfig", "AnyMixtureConfig", "MismatchAnalysis", "StabilityAnalysis",
-    "CostAnalysis", "PartialAlignmentAnalysis", "TrainerAnalysis", "Analyses", "QuickConfig", "CLAIM_ANALYSES",
+    "CostAnalysis", "PartialAlignmentAnalysis", "TrainerAnalysis", "PowerAnalysis", "Analyses", "QuickConfig", "CLAIM_ANALYSES",
     "ExperimentConfig", "load_experiment",
 ]
 
@@ -129,12 +130,31 @@ class MismatchAnalysis(_Analysis):
 
 
 class StabilityAnalysis(_Analysis):
-    """E2: held-out score, KL trend and gradient-norm spikes of each of ``arms``."""
+    """E2: held-out score, KL trend and gradient-norm spikes of each of ``arms``; with
+    ``homogeneous``, ``uncorrected`` and ``corrected`` (all three or none) it tests the public
+    claim: the uncorrected mixed arm's final held-out success is below the homogeneous arm's, the
+    corrected one's is not worse by more than ``score_margin`` (a success-rate difference)."""
 
     arms: tuple[str, ...] = Field(min_length=1)
+    homogeneous: str | None = None
+    uncorrected: str | None = None
+    corrected: str | None = None
+    score_margin: float = Field(0.025, gt=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _all_or_none(self) -> "StabilityAnalysis":
+        named = [self.homogeneous, self.uncorrected, self.corrected]
+        if any(named) and not all(named):
+            raise ValueError("homogeneous, uncorrected and corrected name the claim's arms: give all three or none")
+        return self
+
+    @property
+    def tests_claim(self) -> bool:
+        return self.homogeneous is not None
 
     def references(self) -> dict[str, str]:
-        return {f"arms[{i}]": a for i, a in enumerate(self.arms)}
+        claim = {k: v for k in ("homogeneous", "uncorrected", "corrected") if (v := getattr(self, k)) is not None}
+        return {**{f"arms[{i}]": a for i, a in enumerate(self.arms)}, **claim}
 
 
 class CostAnalysis(_Analysis):
@@ -183,6 +203,49 @@ class TrainerAnalysis(_Analysis):
         return MismatchAnalysis(mixed=self.mixed, homogeneous=self.homogeneous, claimed_ratio=self.claimed_ratio)
 
 
+class PowerAnalysis(_Analysis):
+    """Seeds and held-out episodes a grid needs (:mod:`hetrl.experiment.power`), from this
+    grid's spread as a pilot: the final held-out success of the runs of ``arms`` (None: every
+    arm), its within-arm spread pooled, sets the seeds per arm that resolve each of ``margins`` at
+    each of ``episodes`` held-out episodes per evaluation; ``plans`` (name -> arms) turn seeds into
+    runs and hours at ``jobs`` runs at a time, set against ``budget_hours``. ``comparisons``
+    (name -> ``[x, y]``) are the differences ``x − y`` the pilot itself measures."""
+
+    arms: tuple[str, ...] | None = Field(None, min_length=1)
+    comparisons: dict[str, tuple[str, str]] = Field(min_length=1)
+    margins: tuple[float, ...] = Field((0.02, 0.025, 0.03), min_length=1)
+    episodes: tuple[int, ...] = Field((140, 280, 560), min_length=1)
+    plans: dict[str, int] = Field(min_length=1)
+    jobs: int = Field(2, ge=1)
+    budget_hours: float = Field(3.0, gt=0.0)
+
+    @field_validator("margins")
+    @classmethod
+    def _margins(cls, margins: tuple[float, ...]) -> tuple[float, ...]:
+        if any(not 0.0 < m <= 1.0 for m in margins):
+            raise ValueError(f"margins are success-rate differences in (0, 1], got {list(margins)}")
+        return margins
+
+    @field_validator("episodes")
+    @classmethod
+    def _episodes(cls, episodes: tuple[int, ...]) -> tuple[int, ...]:
+        if any(e < 1 for e in episodes):
+            raise ValueError(f"episodes must be >= 1, got {list(episodes)}")
+        return episodes
+
+    @field_validator("plans")
+    @classmethod
+    def _plans(cls, plans: dict[str, int]) -> dict[str, int]:
+        if any(n < 1 for n in plans.values()):
+            raise ValueError(f"a plan runs at least one arm, got {plans}")
+        return plans
+
+    def references(self) -> dict[str, str]:
+        pooled = {f"arms[{i}]": a for i, a in enumerate(self.arms or ())}
+        return {**pooled, **{f"comparisons.{name}[{i}]": arm for name, pair in self.comparisons.items()
+                             for i, arm in enumerate(pair)}}
+
+
 class Analyses(_Strict):
     """The named experiments; each is optional (a grid without it reports it as not run)."""
 
@@ -191,6 +254,7 @@ class Analyses(_Strict):
     e3: CostAnalysis | None = None
     e4: PartialAlignmentAnalysis | None = None
     megatron: TrainerAnalysis | None = None
+    power: PowerAnalysis | None = None
 
     def present(self) -> dict[str, _Analysis]:
         return {k: v for k in type(self).model_fields if (v := getattr(self, k)) is not None}
@@ -206,7 +270,7 @@ class QuickConfig(_Strict):
     fleets: int | None = Field(None, ge=0)
 
 
-CLAIM_ANALYSES = ("e1", "e3", "e4", "megatron")
+CLAIM_ANALYSES = ("e1", "e2", "e3", "e4", "megatron")
 """The analyses that test a claim of the public result (:mod:`hetrl.experiment.claims`)."""
 
 
@@ -223,7 +287,7 @@ class ExperimentConfig(_Strict):
     any_mixture: AnyMixtureConfig | None = None
     analyses: Analyses = Analyses()
     caveats: dict[str, str] = Field(default_factory=dict, description=(
-        "per claim-testing analysis (e1, e3, e4, megatron): what the tiny CPU scale may explain where the "
+        "per claim-testing analysis (e1, e2, e3, e4, megatron): what the tiny CPU scale may explain where the "
         "measured figure and the public claim part; the report prints it under every claim that does not agree"))
     quick: QuickConfig | None = None
 
@@ -274,8 +338,12 @@ class ExperimentConfig(_Strict):
         for key, analysis in self.analyses.present().items():
             if isinstance(analysis, StabilityAnalysis):
                 kept = tuple(a for a in analysis.arms if a in arms)
+                claim = {"homogeneous": analysis.homogeneous, "uncorrected": analysis.uncorrected,
+                         "corrected": analysis.corrected}
+                if not all(a in arms for a in claim.values()):
+                    claim = dict.fromkeys(claim)
                 if kept:
-                    analyses[key] = analysis.model_copy(update={"arms": kept})
+                    analyses[key] = analysis.model_copy(update={"arms": kept, **claim})
             elif all(a in arms for a in analysis.references().values()):
                 analyses[key] = analysis
         data = self.model_dump()

@@ -9,7 +9,8 @@ evaluation ran, a zero score) is NaN and counts as missing in every statistic.
 
 :data:`MEASURES` lists every per-run value with its definition; the report prints them with the
 definitions, so each aggregate traces back to a key of a file; :data:`RENTED` is reported too by
-a grid whose cost analysis compares the rented-time cost.
+a grid whose cost analysis compares the rented-time cost, :data:`TIMING` by a grid with a power
+analysis.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 
 from hetrl.experiment.statistics import ols_slope
 
-__all__ = ["Records", "Measure", "MEASURES", "RENTED", "BY_NAME", "load_records", "series", "run_values"]
+__all__ = ["Records", "Measure", "MEASURES", "RENTED", "TIMING", "BY_NAME", "load_records", "series", "run_values"]
 
 Records = list[dict[str, Any]]
 
@@ -121,7 +122,42 @@ RENTED = Measure("rented_usd_per_mtok", "rented USD / M trained tokens",
                  lambda r, f: 1e6 * _last(r, "fleet/cost/rented_usd_per_trained_token"))
 """The rented-time cost, a value of the grids whose cost analysis compares it (``clock: rented``)."""
 
-BY_NAME = {m.name: m for m in (*MEASURES, RENTED)}
+
+
+def _eval_seconds(records: Records) -> float:
+    steps, wall = series(records, "time/wall_s")
+    if wall.size < 3:
+        return math.nan
+    after = dict(zip(steps[1:], np.diff(wall) - np.median(np.diff(wall))))  # step -> its extra increment
+    evaluated = [r["step"] for r in records if "eval/success" in r and 0 < r["step"] < steps[-1]]
+    picked = [after[step + 1] for step in evaluated if step + 1 in after]
+    return float(np.mean(picked)) if picked else math.nan
+
+
+def _wall_seconds(records: Records) -> float:
+    steps, wall = series(records, "time/wall_s")
+    if not wall.size:
+        return math.nan
+    extra = _eval_seconds(records)
+    evaluated_last = any("eval/success" in r and r["step"] == steps[-1] for r in records)
+    return float(wall[-1]) + (extra if evaluated_last and math.isfinite(extra) else 0.0)
+
+
+TIMING: tuple[Measure, ...] = (
+    Measure("eval_s", "seconds per evaluation",
+            "mean, over the evaluations after step 0 and before the last step, of the next step's `time/wall_s` "
+            "increment less the run's median increment (a step's record is stamped before its evaluation runs, so the "
+            "evaluation delays the next one)", ".1f", lambda r, f: _eval_seconds(r)),
+    Measure("wall_s", "run wall time, s", "`time/wall_s` of the last step (the run's clock, start-up included) plus "
+            "eval_s for the evaluation that follows it", ".0f", lambda r, f: _wall_seconds(r)),
+    Measure("evaluations", "evaluations", "number of records with `eval/success` (step 0 included)", ".0f",
+            lambda r, f: float(len(series(r, "eval/success")[0]))),
+    Measure("eval_episodes", "held-out episodes", "`eval/tasks` of the last evaluation (episodes it scored)", ".0f",
+            lambda r, f: _last(r, "eval/tasks")),
+)
+"""A run's time and its evaluations' share, the values of a grid with a power analysis (its cost model)."""
+
+BY_NAME = {m.name: m for m in (*MEASURES, RENTED, *TIMING)}
 
 
 def run_values(records: Records, grad_spike_factor: float, measures: tuple[Measure, ...] = MEASURES) -> dict[str, float]:

@@ -4,7 +4,9 @@
   of them logged, with the band from their minimum to their maximum;
 * :func:`interval_bars`: one estimate per arm with its 95% interval as error bars;
 * :func:`mixture_scatter`: per random fleet, its uncorrected mean KL against the final held-out
-  success uncorrected and corrected, the two joined by a line.
+  success uncorrected and corrected, the two joined by a line;
+* :func:`half_widths`: a 95% interval's half-width against the seeds per arm, a line per held-out
+  episode count, with the margins to resolve as horizontal lines.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import numpy as np
 from hetrl.experiment.measures import Records, series
 from hetrl.experiment.statistics import Estimate
 
-__all__ = ["curves", "interval_bars", "mixture_scatter"]
+__all__ = ["curves", "interval_bars", "mixture_scatter", "half_widths"]
 
 
 def _pyplot():
@@ -93,3 +95,19 @@ def mixture_scatter(path: pathlib.Path, points: Sequence[tuple[str, float, float
     ax.set_xlabel("mean KL k3 of the uncorrected run")
     ax.set_ylabel("final held-out success")
     return _save(fig, ax, path, "any mixture: random fleets")
+
+
+def half_widths(path: pathlib.Path, title: str, lines: Mapping[str, tuple[Sequence[int], Sequence[float]]],
+                margins: Sequence[float]) -> pathlib.Path:
+    """``lines``: label -> ``(seeds, half-widths)``; a dashed horizontal line at every margin."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, (seeds, widths) in lines.items():
+        ax.plot(seeds, widths, marker=".", label=label)
+    for m in margins:
+        ax.axhline(m, color="0.5", linestyle="--", linewidth=1)
+        ax.annotate(f"margin {m:g}", (ax.get_xlim()[1], m), fontsize=7, ha="right", va="bottom")
+    ax.set_xlabel("seeds per arm")
+    ax.set_ylabel("95% CI half-width of the paired difference")
+    ax.set_yscale("log")
+    return _save(fig, ax, path, title)

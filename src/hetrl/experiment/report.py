@@ -7,7 +7,8 @@ runs by :mod:`hetrl.experiment.statistics`, and set against the public claims by
 :mod:`hetrl.experiment.claims`. Sections: the claims with their verdicts (and, under those that
 do not agree, the config's ``caveats``), E1 mismatch, E2
 stability, E3 cost, E4 partial alignment, the any-mixture sweep, E1 and E2's main arms with the
-Megatron trainer, and the appendices. An analysis
+Megatron trainer, the power analysis (seeds and held-out episodes a score margin needs, from this
+grid's spread: :mod:`hetrl.experiment.power`), and the appendices. An analysis
 the grid does not include says so instead of a table.
 """
 
@@ -20,10 +21,12 @@ import pathlib
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from hetrl.experiment import plots
+import numpy as np
+
+from hetrl.experiment import plots, power
 from hetrl.experiment.claims import (AGREES, VERDICT_RULES, Claim, claim_cost, claim_mismatch, claim_partial_alignment,
-                                     column)
-from hetrl.experiment.measures import BY_NAME, MEASURES, RENTED, Measure, Records, load_records, run_values
+                                     claim_stability, column)
+from hetrl.experiment.measures import BY_NAME, MEASURES, RENTED, TIMING, Measure, Records, load_records, run_values
 from hetrl.experiment.plan import ExperimentPlan, RunSpec
 from hetrl.experiment.runner import run_directory
 from hetrl.experiment.statistics import BOOTSTRAP_RESAMPLES, LEVEL, Estimate, bootstrap_ratio, t_interval, welch_interval
@@ -34,7 +37,7 @@ REPORT_FILE = "REPORT.md"
 MEASURES_FILE = "measures.json"
 SECTIONS = ("## The public result's claims", "## E1 — sampler–trainer mismatch", "## E2 — stability",
             "## E3 — cost", "## E4 — partial alignment", "## Any mixture — random fleets",
-            "## Megatron trainer — E1 and E2's main arms",
+            "## Megatron trainer — E1 and E2's main arms", "## Power — seeds and held-out episodes for a margin",
             "## Appendix A — per-run values", "## Appendix B — definitions", "## Appendix C — arms")
 """The report's section headings, in order."""
 
@@ -58,9 +61,11 @@ class _Grid:
 
 
 def _measures(plan: ExperimentPlan) -> tuple[Measure, ...]:
-    """The values the grid reports: :data:`MEASURES`, and :data:`RENTED` when its cost analysis compares it."""
+    """The values the grid reports: :data:`MEASURES`, :data:`RENTED` when its cost analysis
+    compares it, :data:`TIMING` when it has a power analysis."""
     e3 = plan.config.analyses.e3
-    return (*MEASURES, RENTED) if e3 is not None and e3.measure == RENTED.name else MEASURES
+    rented = (RENTED,) if e3 is not None and e3.measure == RENTED.name else ()
+    return (*MEASURES, *rented, *(TIMING if plan.config.analyses.power is not None else ()))
 
 
 def _load(plan: ExperimentPlan, out: pathlib.Path) -> _Grid:
@@ -146,7 +151,7 @@ def _e1(grid: _Grid, out: pathlib.Path, claim: Claim) -> list[str]:
             *_figure(out, png, "KL k3 over steps")]
 
 
-def _e2(grid: _Grid, out: pathlib.Path) -> list[str]:
+def _e2(grid: _Grid, out: pathlib.Path, claim: Claim) -> list[str]:
     e2 = grid.plan.config.analyses.e2
     if e2 is None:
         return [SECTIONS[2], "", *_not_in_grid("E2")]
@@ -158,10 +163,12 @@ def _e2(grid: _Grid, out: pathlib.Path) -> list[str]:
         plots.curves(out / "plots" / "e2_grad_norm.png", "E2: gradient norm", "grad_norm", records, "grad_norm", log=True),
     ]
     captions = ["held-out success over steps", "KL k3 over steps", "gradient norm over steps"]
+    findings = [f"- {f.statement}: {f.measured}: **{f.verdict}**." for f in claim.findings]
     return [SECTIONS[2], "", "Held-out score, KL trend and gradient-norm spikes per arm "
             f"(a spike: `grad_norm` above {grid.plan.config.grad_spike_factor:g}x the run's median).", "",
             *_arm_table(grid, e2.arms, ["heldout_start", "heldout_end", "heldout_change", "k3_mean", "k3_slope",
                                         "grad_spikes", "masked_frac"]),
+            *([*findings, ""] if findings else []),
             *(line for png, caption in zip(figures, captions) for line in _figure(out, png, caption))]
 
 
@@ -275,6 +282,64 @@ def _megatron(grid: _Grid, out: pathlib.Path, claim: Claim) -> list[str]:
                     for line in _figure(out, png, caption)]
 
 
+def _power(grid: _Grid, out: pathlib.Path) -> list[str]:
+    """Seeds per arm that resolve each margin at each held-out episode count, from the pooled
+    within-arm spread of final held-out success; each plan's runs and hours at those seeds
+    (:mod:`hetrl.experiment.power`)."""
+    pa = grid.plan.config.analyses.power
+    if pa is None:
+        return [SECTIONS[7], "", *_not_in_grid("The power analysis")]
+    arms = list(pa.arms or grid.plan.arms)
+    ends = [column(grid.by_arm, arm, "heldout_end") for arm in arms]
+    sd, dof = power.pooled_sd(ends)
+    p = float(np.nanmean([x for arm in ends for x in arm]))
+    runs = [grid.values[r.key] for arm in arms for r in grid.plan.runs_of(arm)]
+    episodes0 = int(round(float(np.nanmedian([r["eval_episodes"] for r in runs]))))
+    seconds0, eval_s, evaluations = (float(np.nanmean([r[m] for r in runs])) for m in ("wall_s", "eval_s", "evaluations"))
+
+    def needed(margin: float, episodes: int) -> int | None:
+        return power.seeds_for_margin(power.projected_sd(sd, p, episodes0, episodes), margin)
+
+    too_many = f"> {power.MAX_SEEDS} seeds"
+
+    def plan_cell(n_arms: int, margin: float, episodes: int) -> str:
+        n = needed(margin, episodes)
+        if n is None:
+            return too_many
+        seconds = power.run_seconds(seconds0, round(evaluations), eval_s, episodes0, episodes)
+        hours = n * n_arms * seconds / pa.jobs / 3600
+        return f"{n * n_arms} runs, {hours:.1f} h{'' if hours <= pa.budget_hours else ' (over budget)'}"
+
+    seed_rows = [[f"{m:g}", *(str(n) if (n := needed(m, e)) is not None else too_many for e in pa.episodes)]
+                 for m in pa.margins]
+    plan_rows = [[plan, str(n_arms), f"{m:g}", *(plan_cell(n_arms, m, e) for e in pa.episodes)]
+                 for plan, n_arms in pa.plans.items() for m in pa.margins]
+    diffs = [[name, f"`{x}` − `{y}`", welch_interval(column(grid.by_arm, x, "heldout_end"),
+                                                    column(grid.by_arm, y, "heldout_end")).format("+.3f")]
+             for name, (x, y) in pa.comparisons.items()]
+    seeds = list(range(2, 41))
+    lines = {f"{e} episodes": (seeds, [power.half_width(power.projected_sd(sd, p, episodes0, e), n) for n in seeds])
+             for e in pa.episodes}
+    png = plots.half_widths(out / "plots" / "power.png", "95% CI half-width of a difference of two arms' final "
+                            "held-out success", lines, pa.margins)
+    return [SECTIONS[7], "",
+            f"Final held-out success (`heldout_end`) of the {len(runs)} runs of {len(arms)} arms has a within-arm "
+            f"spread, pooled over the arms, of σ = {sd:.4f} ({dof} degrees of freedom) at a mean success p = {p:.3f}, "
+            f"with {episodes0} held-out episodes per evaluation (`eval_episodes`). A difference of two arms of n seeds "
+            "each then has a Welch 95% interval of half-width t(2n−2)·σ·√(2/n). With E episodes, the held-out noise in "
+            f"σ² (at most the binomial p(1−p)/{episodes0}) is scaled by {episodes0}/E and the rest (seed to seed) kept "
+            "(`hetrl.experiment.power`).", "",
+            "Differences this grid measures (Welch 95% CI):", "",
+            *_table(["comparison", "difference", "final held-out success"], diffs),
+            "Seeds per arm for a half-width no wider than each margin:", "",
+            *_table(["margin", *(f"{e} episodes" for e in pa.episodes)], seed_rows),
+            f"A grid at those seeds, {pa.jobs} runs at a time: a run took {seconds0:.0f} s here (mean `wall_s`, "
+            f"{pa.jobs} runs sharing the machine) with {round(evaluations)} evaluations of {eval_s:.1f} s each "
+            f"(mean `eval_s`), which grow with their episodes; budget {pa.budget_hours:g} h:", "",
+            *_table(["plan", "arms", "margin", *(f"{e} episodes" for e in pa.episodes)], plan_rows),
+            *_figure(out, png, "CI half-width against seeds per arm")]
+
+
 def _appendices(grid: _Grid) -> list[str]:
     plan = grid.plan
     measures = _measures(plan)
@@ -288,8 +353,8 @@ def _appendices(grid: _Grid) -> list[str]:
     arms = _table(["arm", "what it is", "base config", "overrides (`--set`, in order; then the seed)"],
                   [[f"`{a}`", plan.describe(a) or "-", f"`{r.base.name}`",
                     "<br>".join(f"`{o}`" for o in r.overrides[:-1]) or "-"] for a, r in first.items()])
-    return [SECTIONS[7], "", *per_run, SECTIONS[8], "",
-            f"`grad_spike_factor` = {plan.config.grad_spike_factor:g}.", "", *definitions, SECTIONS[9], "", *arms]
+    return [SECTIONS[8], "", *per_run, SECTIONS[9], "",
+            f"`grad_spike_factor` = {plan.config.grad_spike_factor:g}.", "", *definitions, SECTIONS[10], "", *arms]
 
 
 def write_report(plan: ExperimentPlan, out: pathlib.Path, *, command: str) -> pathlib.Path:
@@ -298,11 +363,12 @@ def write_report(plan: ExperimentPlan, out: pathlib.Path, *, command: str) -> pa
     analyses, values = plan.config.analyses, grid.by_arm
     megatron = claim_mismatch(analyses.megatron.mismatch() if analyses.megatron else None, values,
                               experiment="E1, Megatron trainer")
-    claims = {"e1": claim_mismatch(analyses.e1, values), "e3": claim_cost(analyses.e3, values),
-              "e4": claim_partial_alignment(analyses.e4, values), "megatron": megatron}
+    claims = {"e1": claim_mismatch(analyses.e1, values), "e2": claim_stability(analyses.e2, values),
+              "e3": claim_cost(analyses.e3, values), "e4": claim_partial_alignment(analyses.e4, values),
+              "megatron": megatron}
     lines = [*_intro(grid, command), *_claims(claims, plan.config.caveats), *_e1(grid, out, claims["e1"]),
-             *_e2(grid, out), *_e3(grid, out, claims["e3"]), *_e4(grid, out), *_mixture(grid, out),
-             *_megatron(grid, out, megatron), *_appendices(grid)]
+             *_e2(grid, out, claims["e2"]), *_e3(grid, out, claims["e3"]), *_e4(grid, out), *_mixture(grid, out),
+             *_megatron(grid, out, megatron), *_power(grid, out), *_appendices(grid)]
     (out / MEASURES_FILE).write_text(json.dumps(
         {"definitions": {m.name: m.definition for m in _measures(plan)}, "grad_spike_factor": plan.config.grad_spike_factor,
          "runs": {k: {"metrics": grid.files[k], "values": {m: (x if math.isfinite(x) else None) for m, x in v.items()}}
