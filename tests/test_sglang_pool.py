@@ -322,9 +322,12 @@ def test_hetrl_train_runs_a_mixed_fleet_and_survives_the_server_dying(model_dir,
     server is killed after step 2 and training continues on the embedded pools to step 4."""
     srv = SGLangServer(model_dir, log_path=tmp_path / "server.log").start()
     out = tmp_path / "run"
+    # no quarantine: the run is about the server's death; on a loaded machine an embedded pool that takes over the
+    # dead pool's jobs can fall behind by more than max_staleness and be quarantined for it (a CI run lost the
+    # NVFP4 pool that way at step 4), which is the admission gate's behaviour, tested on its own
     sets = [f"output_dir={out}", "steps=4", QUIET, NO_EVAL, "async.max_new_tokens=24",
             f'fleet.pools[3].endpoints=["{srv.url}"]', "fleet.pools[3].server.retries=1",
-            "fleet.pools[3].server.backoff_s=0.05"]
+            "fleet.pools[3].server.backoff_s=0.05", "fleet.quarantine.max_rejection_rate=1.0"]
     cmd = [sys.executable, "-m", "hetrl.cli", "train", str(ROOT / "configs" / "tiny_mixed_sglang.yaml")]
     for s in sets:
         cmd += ["--set", s]
