@@ -123,12 +123,12 @@ RENTED = Measure("rented_usd_per_mtok", "rented USD / M trained tokens",
 """The rented-time cost, a value of the grids whose cost analysis compares it (``clock: rented``)."""
 
 
-
 def _eval_seconds(records: Records) -> float:
     steps, wall = series(records, "time/wall_s")
     if wall.size < 3:
         return math.nan
-    after = dict(zip(steps[1:], np.diff(wall) - np.median(np.diff(wall))))  # step -> its extra increment
+    increments = np.diff(wall)
+    after = dict(zip(steps[1:], increments - np.median(increments)))  # step -> its extra increment
     evaluated = [r["step"] for r in records if "eval/success" in r and 0 < r["step"] < steps[-1]]
     picked = [after[step + 1] for step in evaluated if step + 1 in after]
     return float(np.mean(picked)) if picked else math.nan

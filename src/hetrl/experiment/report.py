@@ -96,6 +96,11 @@ def _figure(out: pathlib.Path, path: pathlib.Path, caption: str) -> list[str]:
     return [f"![{caption}]({path.relative_to(out).as_posix()})", ""]
 
 
+def _finding_lines(claim: Claim) -> list[str]:
+    """A bullet per finding of ``claim``: the statement, the measured figure and the verdict."""
+    return [f"- {f.statement}: {f.measured}: **{f.verdict}**." for f in claim.findings]
+
+
 def _not_in_grid(name: str) -> list[str]:
     return [f"{name} is not part of this grid (no `analyses` entry for it, or the quick grid leaves its arms out).", ""]
 
@@ -163,7 +168,7 @@ def _e2(grid: _Grid, out: pathlib.Path, claim: Claim) -> list[str]:
         plots.curves(out / "plots" / "e2_grad_norm.png", "E2: gradient norm", "grad_norm", records, "grad_norm", log=True),
     ]
     captions = ["held-out success over steps", "KL k3 over steps", "gradient norm over steps"]
-    findings = [f"- {f.statement}: {f.measured}: **{f.verdict}**." for f in claim.findings]
+    findings = _finding_lines(claim)
     return [SECTIONS[2], "", "Held-out score, KL trend and gradient-norm spikes per arm "
             f"(a spike: `grad_norm` above {grid.plan.config.grad_spike_factor:g}x the run's median).", "",
             *_arm_table(grid, e2.arms, ["heldout_start", "heldout_end", "heldout_change", "k3_mean", "k3_slope",
@@ -186,7 +191,7 @@ def _e3(grid: _Grid, out: pathlib.Path, claim: Claim) -> list[str]:
              *_arm_table(grid, arms, [*columns, "usd_per_point", "cost_usd", "trained_tokens", "heldout_end"]),
              *_figure(out, png, "cost per million trained tokens")]
     if claim.findings:
-        lines += [f"- {f.statement}: {f.measured}: **{f.verdict}**." for f in claim.findings] + [""]
+        lines += [*_finding_lines(claim), ""]
     if e3 is not None:
         lines += [_cheapest_match(grid, e3.homogeneous, e3.score_margin, m), ""]
     return lines
