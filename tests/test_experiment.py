@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hetrl.experiment import claims, power
-from hetrl.experiment.config import ExperimentConfig, ExperimentError, load_experiment
+from hetrl.experiment.config import ExperimentConfig, ExperimentError, StabilityAnalysis, load_experiment
 from hetrl.experiment.fleets import draw_fleets
 from hetrl.experiment.measures import run_values
 from hetrl.experiment.plan import ExperimentPlan, RunSpec, build_plan
@@ -111,6 +111,24 @@ def test_seeds_for_margin_is_the_fewest_that_resolve_it(sd, margin):
     assert power.half_width(sd, n) <= margin and (n == 2 or power.half_width(sd, n - 1) > margin)
 
 
+@given(st.floats(-0.2, 0.2), st.floats(0.0, 1.0), st.floats(1e-3, 0.1))
+def test_a_half_width_within_the_decisive_share_of_the_margin_always_decides_worse(diff, share, margin):
+    """The plan's m/2 rule: an interval no wider than the margin never holds both 0 and −m, so the
+    *worse (margin m)* verdict is never inconclusive; wider ones can be (the interval [−m, 0] is)."""
+    h = share * power.DECISIVE * margin
+    assert claims.worse_verdict(Estimate(diff, diff - h, diff + h, 6), margin) != claims.INCONCLUSIVE
+    assert claims.worse_verdict(_est(-margin * 1.01, 0.0), margin) == claims.INCONCLUSIVE
+
+
+def test_e2_without_a_corrected_arm_tests_the_uncorrected_comparison_alone():
+    """A confirmation grid of the homogeneous and the uncorrected arm: claim 4 rests on their one
+    difference (here 0.05 lower on every seed: *agrees*)."""
+    e2 = StabilityAnalysis(arms=("h", "u"), homogeneous="h", uncorrected="u", score_margin=0.02)
+    scores = {"h": [0.20, 0.21, 0.22], "u": [0.15, 0.16, 0.17]}
+    claim = claims.claim_stability(e2, {a: [{"heldout_end": x} for x in xs] for a, xs in scores.items()})
+    assert [f.verdict for f in claim.findings] == [claims.AGREES] and "`u` − `h`" in claim.findings[0].statement
+
+
 def test_pooled_sd_projection_and_run_time():
     sd, dof = power.pooled_sd([[1.0, 2.0, 3.0], [5.0, 7.0], [4.0], [float("nan"), 1.0, 1.0]])
     assert dof == 2 + 1 + 1 and sd == pytest.approx(math.sqrt((2.0 + 2.0 + 0.0) / 4))
@@ -184,7 +202,7 @@ def _write(tmp_path: pathlib.Path, data: dict) -> pathlib.Path:
     (lambda d: d.update(any_mixture={"min_pools": 3, "max_pools": 2}), r"min_pools <= max_pools"),
     (lambda d: d.update(any_mixture={"kinds": ["fp32"]}), r"any_mixture\.kinds: .*unknown accelerator kind 'fp32'"),
     (lambda d: d.update(quick={"arms": ["gone"]}), r"quick\.arms\[0\]: unknown arm 'gone'"),
-    (lambda d: d["analyses"]["e2"].pop("corrected"), r"analyses\.e2: .*give all three or none"),
+    (lambda d: d["analyses"]["e2"].pop("uncorrected"), r"analyses\.e2: .*give both .* or none"),
     (lambda d: d["analyses"].update(power={"comparisons": {"c": ["mixed", "gone"]}, "plans": {"p": 3}}),
      r"analyses\.power\.comparisons\.c\[1\]: unknown arm 'gone'"),
     (lambda d: d["analyses"].update(power={"comparisons": {"c": ["mixed", "homog"]}, "plans": {"p": 3},
@@ -453,19 +471,20 @@ def test_the_power_section_sizes_the_grid_from_the_pooled_spread(tmp_path):
     assert "σ = 0.0050 (8 degrees of freedom)" in section
     p = (3 * 0.17 + 0.12) / 4
     for margin in (0.01, 0.02):
-        cells = [str(power.seeds_for_margin(power.projected_sd(0.005, p, 140, e), margin)) for e in (140, 560)]
-        assert f"| {margin:g} | {' | '.join(cells)} |" in section
+        for width, target in (("≤ m", margin), ("≤ m/2 (decides *worse*)", margin / 2)):
+            cells = [str(power.seeds_for_margin(power.projected_sd(0.005, p, 140, e), target)) for e in (140, 560)]
+            assert f"| {margin:g} | {width} | {' | '.join(cells)} |" in section
     n = power.seeds_for_margin(0.005, 0.01)
     hours = n * 3 * 120.0 / 2 / 3600  # a run: 110 s to its last record, then its last evaluation (10 s, as at step 4)
-    assert f"| main | 3 | 0.01 | {n * 3} runs, {hours:.1f} h |" in section
+    assert f"| main | 3 | 0.01 | ≤ m | {n * 3} runs, {hours:.1f} h |" in section
     # four times the episodes: the spread (all of it held-out noise: 0.005 is below 140 episodes' binomial sd) halves,
     # and each run's 3 evaluations take 3 x 10 s x 3 more
     n4 = power.seeds_for_margin(0.0025, 0.01)
-    assert f"| main | 3 | 0.01 | {n * 3} runs, {hours:.1f} h | {n4 * 3} runs, {n4 * 3 * 210.0 / 2 / 3600:.1f} h |" in section
+    assert f"| main | 3 | 0.01 | ≤ m | {n * 3} runs, {hours:.1f} h | {n4 * 3} runs, {n4 * 3 * 210.0 / 2 / 3600:.1f} h |" in section
     data["analyses"]["power"]["budget_hours"] = 0.001
     plan = build_plan(*load_experiment(_write(tmp_path, data)))
     write_report(plan, out, command="x")
-    assert f"| main | 3 | 0.01 | {n * 3} runs, {hours:.1f} h (over budget) |" in (out / REPORT_FILE).read_text()
+    assert f"| main | 3 | 0.01 | ≤ m | {n * 3} runs, {hours:.1f} h (over budget) |" in (out / REPORT_FILE).read_text()
     assert "| `mixed` − `homog` | -0.050 [" in section
     measures = json.loads((out / MEASURES_FILE).read_text())["runs"]["mixed/s0"]["values"]
     assert measures["wall_s"] == 120.0 and measures["eval_s"] == pytest.approx(10.0)

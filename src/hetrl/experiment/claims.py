@@ -150,14 +150,15 @@ def claim_mismatch(e1: MismatchAnalysis | None, values: ArmValues, experiment: s
 
 def claim_stability(e2: StabilityAnalysis | None, values: ArmValues) -> Claim:
     """Claim 4: final held-out success (Welch differences): uncorrected − homogeneous is below 0
-    (*worse*, margin ``score_margin``), corrected − homogeneous is not worse by more than
-    ``score_margin``."""
+    (*worse*, margin ``score_margin``), corrected − homogeneous (where the grid names a corrected
+    arm) is not worse by more than ``score_margin``."""
     if e2 is None or not e2.tests_claim:
         return Claim(4, CLAIM_TEXTS[4], "E2", ())
     base, m = column(values, e2.homogeneous, "heldout_end"), e2.score_margin
     findings = []
-    for arm, says, verdict in ((e2.uncorrected, f"< 0 (falls; margin {m:g})", worse_verdict),
-                               (e2.corrected, f">= −{m:g} (matches)", not_worse_verdict)):
+    tested = ((e2.uncorrected, f"< 0 (falls; margin {m:g})", worse_verdict),
+              (e2.corrected, f">= −{m:g} (matches)", not_worse_verdict))
+    for arm, says, verdict in (t for t in tested if t[0] is not None):
         diff = welch_interval(column(values, arm, "heldout_end"), base)
         findings.append(Finding(
             f"final held-out success `{arm}` − `{e2.homogeneous}` {says}",

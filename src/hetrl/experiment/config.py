@@ -131,9 +131,10 @@ class MismatchAnalysis(_Analysis):
 
 class StabilityAnalysis(_Analysis):
     """E2: held-out score, KL trend and gradient-norm spikes of each of ``arms``; with
-    ``homogeneous``, ``uncorrected`` and ``corrected`` (all three or none) it tests the public
-    claim: the uncorrected mixed arm's final held-out success is below the homogeneous arm's, the
-    corrected one's is not worse by more than ``score_margin`` (a success-rate difference)."""
+    ``homogeneous`` and ``uncorrected`` (both or neither; ``corrected`` only with them) it tests the
+    public claim: the uncorrected mixed arm's final held-out success is below the homogeneous arm's,
+    the corrected one's (when named) is not worse by more than ``score_margin`` (a success-rate
+    difference)."""
 
     arms: tuple[str, ...] = Field(min_length=1)
     homogeneous: str | None = None
@@ -143,9 +144,10 @@ class StabilityAnalysis(_Analysis):
 
     @model_validator(mode="after")
     def _all_or_none(self) -> "StabilityAnalysis":
-        named = [self.homogeneous, self.uncorrected, self.corrected]
-        if any(named) and not all(named):
-            raise ValueError("homogeneous, uncorrected and corrected name the claim's arms: give all three or none")
+        if (self.homogeneous is None) != (self.uncorrected is None) or (
+                self.corrected is not None and self.homogeneous is None):
+            raise ValueError("homogeneous and uncorrected name the claim's arms: give both (corrected only with "
+                             "them) or none")
         return self
 
     @property
@@ -340,7 +342,7 @@ class ExperimentConfig(_Strict):
                 kept = tuple(a for a in analysis.arms if a in arms)
                 claim = {"homogeneous": analysis.homogeneous, "uncorrected": analysis.uncorrected,
                          "corrected": analysis.corrected}
-                if not all(a in arms for a in claim.values()):
+                if not all(a in arms for a in claim.values() if a is not None):
                     claim = dict.fromkeys(claim)
                 if kept:
                     analyses[key] = analysis.model_copy(update={"arms": kept, **claim})

@@ -138,9 +138,8 @@ def _wall_seconds(records: Records) -> float:
     steps, wall = series(records, "time/wall_s")
     if not wall.size:
         return math.nan
-    extra = _eval_seconds(records)
     evaluated_last = any("eval/success" in r and r["step"] == steps[-1] for r in records)
-    return float(wall[-1]) + (extra if evaluated_last and math.isfinite(extra) else 0.0)
+    return float(wall[-1]) + (_eval_seconds(records) if evaluated_last else 0.0)
 
 
 TIMING: tuple[Measure, ...] = (
@@ -149,7 +148,7 @@ TIMING: tuple[Measure, ...] = (
             "increment less the run's median increment (a step's record is stamped before its evaluation runs, so the "
             "evaluation delays the next one)", ".1f", lambda r, f: _eval_seconds(r)),
     Measure("wall_s", "run wall time, s", "`time/wall_s` of the last step (the run's clock, start-up included) plus "
-            "eval_s for the evaluation that follows it", ".0f", lambda r, f: _wall_seconds(r)),
+            "eval_s for the evaluation that follows it (unknown with eval_s)", ".0f", lambda r, f: _wall_seconds(r)),
     Measure("evaluations", "evaluations", "number of records with `eval/success` (step 0 included)", ".0f",
             lambda r, f: float(len(series(r, "eval/success")[0]))),
     Measure("eval_episodes", "held-out episodes", "`eval/tasks` of the last evaluation (episodes it scored)", ".0f",

@@ -98,16 +98,17 @@ def mixture_scatter(path: pathlib.Path, points: Sequence[tuple[str, float, float
 
 
 def half_widths(path: pathlib.Path, title: str, lines: Mapping[str, tuple[Sequence[int], Sequence[float]]],
-                margins: Sequence[float]) -> pathlib.Path:
-    """``lines``: label -> ``(seeds, half-widths)``; a dashed horizontal line at every margin."""
+                levels: Mapping[str, float]) -> pathlib.Path:
+    """``lines``: label -> ``(seeds, half-widths)``; ``levels``: label -> a half-width to reach,
+    drawn as a dashed horizontal line."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for label, (seeds, widths) in lines.items():
         ax.plot(seeds, widths, marker=".", label=label)
-    for m in margins:
-        ax.axhline(m, color="0.5", linestyle="--", linewidth=1)
-        ax.annotate(f"margin {m:g}", (ax.get_xlim()[1], m), fontsize=7, ha="right", va="bottom")
+    for label, level in levels.items():
+        ax.axhline(level, color="0.5", linestyle="--", linewidth=1)
+        ax.annotate(label, (ax.get_xlim()[1], level), fontsize=7, ha="right", va="bottom")
     ax.set_xlabel("seeds per arm")
-    ax.set_ylabel("95% CI half-width of the paired difference")
+    ax.set_ylabel("95% CI half-width (Welch difference)")
     ax.set_yscale("log")
     return _save(fig, ax, path, title)

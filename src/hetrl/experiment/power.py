@@ -8,7 +8,10 @@ arms, pooled over the arms (:func:`pooled_sd`), is what a comparison of two arms
 * the Welch 95% interval of a difference of two arms of ``n`` runs each, both of spread ``σ``,
   has half-width ``h(n) = t_{2n−2, 0.975} · σ · √(2/n)`` (:func:`half_width`); the smallest
   ``n >= 2`` with ``h(n) <= m`` resolves a margin ``m`` (:func:`seeds_for_margin`): an interval
-  that narrow lies on one side of ``−m`` unless the true difference is within ``h`` of it;
+  that narrow lies on one side of ``−m`` unless the true difference is within ``h`` of it. A test
+  with two thresholds, the *worse (margin m)* rule (agrees below 0, disagrees at or above ``−m``),
+  is undecided only while its interval holds both ``0`` and ``−m``; at ``h(n) <= m/2``
+  (:data:`DECISIVE`) it decides whatever the difference;
 * held-out noise: a success rate over ``E`` independent episodes has binomial variance
   ``p(1−p)/E`` (:func:`eval_variance`), so of the pilot's ``σ²`` at ``E₀`` episodes the part
   ``σ_e² = min(σ², p(1−p)/E₀)`` is held-out noise and ``σ² − σ_e²`` the seed-to-seed (training)
@@ -29,10 +32,14 @@ from scipy import stats as _scipy_stats
 
 from hetrl.experiment.statistics import LEVEL
 
-__all__ = ["MAX_SEEDS", "pooled_sd", "half_width", "seeds_for_margin", "eval_variance", "projected_sd", "run_seconds"]
+__all__ = ["MAX_SEEDS", "DECISIVE", "pooled_sd", "half_width", "seeds_for_margin", "eval_variance", "projected_sd", "run_seconds"]
 
 MAX_SEEDS = 1000
 """The largest seed count :func:`seeds_for_margin` searches."""
+
+DECISIVE = 0.5
+"""The share of a margin ``m`` a half-width must stay under for the *worse (margin m)* rule to decide
+whatever the difference (module docstring): an interval narrower than ``m`` cannot hold both 0 and ``−m``."""
 
 
 def pooled_sd(groups: Iterable[Sequence[float]]) -> tuple[float, int]:

@@ -287,6 +287,12 @@ def _megatron(grid: _Grid, out: pathlib.Path, claim: Claim) -> list[str]:
                     for line in _figure(out, png, caption)]
 
 
+def _finite_mean(xs: list[float]) -> float:
+    """The mean of the finite ``xs``; NaN when none is."""
+    finite = [x for x in xs if math.isfinite(x)]
+    return float(np.mean(finite)) if finite else math.nan
+
+
 def _power(grid: _Grid, out: pathlib.Path) -> list[str]:
     """Seeds per arm that resolve each margin at each held-out episode count, from the pooled
     within-arm spread of final held-out success; each plan's runs and hours at those seeds
@@ -300,7 +306,7 @@ def _power(grid: _Grid, out: pathlib.Path) -> list[str]:
     p = float(np.nanmean([x for arm in ends for x in arm]))
     runs = [grid.values[r.key] for arm in arms for r in grid.plan.runs_of(arm)]
     episodes0 = int(round(float(np.nanmedian([r["eval_episodes"] for r in runs]))))
-    seconds0, eval_s, evaluations = (float(np.nanmean([r[m] for r in runs])) for m in ("wall_s", "eval_s", "evaluations"))
+    seconds0, eval_s, evaluations = (_finite_mean([r[m] for r in runs]) for m in ("wall_s", "eval_s", "evaluations"))
 
     def needed(margin: float, episodes: int) -> int | None:
         return power.seeds_for_margin(power.projected_sd(sd, p, episodes0, episodes), margin)
@@ -313,12 +319,16 @@ def _power(grid: _Grid, out: pathlib.Path) -> list[str]:
             return too_many
         seconds = power.run_seconds(seconds0, round(evaluations), eval_s, episodes0, episodes)
         hours = n * n_arms * seconds / pa.jobs / 3600
+        if not math.isfinite(hours):
+            return f"{n * n_arms} runs"
         return f"{n * n_arms} runs, {hours:.1f} h{'' if hours <= pa.budget_hours else ' (over budget)'}"
 
-    seed_rows = [[f"{m:g}", *(str(n) if (n := needed(m, e)) is not None else too_many for e in pa.episodes)]
-                 for m in pa.margins]
-    plan_rows = [[plan, str(n_arms), f"{m:g}", *(plan_cell(n_arms, m, e) for e in pa.episodes)]
-                 for plan, n_arms in pa.plans.items() for m in pa.margins]
+    widths = {"≤ m": 1.0, "≤ m/2 (decides *worse*)": power.DECISIVE}
+    seed_rows = [[f"{m:g}", width, *(str(n) if (n := needed(m * share, e)) is not None else too_many
+                                     for e in pa.episodes)]
+                 for width, share in widths.items() for m in pa.margins]
+    plan_rows = [[plan, str(n_arms), f"{m:g}", width, *(plan_cell(n_arms, m * share, e) for e in pa.episodes)]
+                 for plan, n_arms in pa.plans.items() for width, share in widths.items() for m in pa.margins]
     diffs = [[name, f"`{x}` − `{y}`", welch_interval(column(grid.by_arm, x, "heldout_end"),
                                                     column(grid.by_arm, y, "heldout_end")).format("+.3f")]
              for name, (x, y) in pa.comparisons.items()]
@@ -326,7 +336,9 @@ def _power(grid: _Grid, out: pathlib.Path) -> list[str]:
     lines = {f"{e} episodes": (seeds, [power.half_width(power.projected_sd(sd, p, episodes0, e), n) for n in seeds])
              for e in pa.episodes}
     png = plots.half_widths(out / "plots" / "power.png", "95% CI half-width of a difference of two arms' final "
-                            "held-out success", lines, pa.margins)
+                            "held-out success", lines,
+                            {**{f"margin {m:g}": m for m in pa.margins},
+                             **{f"{m:g}/2: decides worse (margin {m:g})": m * power.DECISIVE for m in pa.margins}})
     return [SECTIONS[7], "",
             f"Final held-out success (`heldout_end`) of the {len(runs)} runs of {len(arms)} arms has a within-arm "
             f"spread, pooled over the arms, of σ = {sd:.4f} ({dof} degrees of freedom) at a mean success p = {p:.3f}, "
@@ -336,12 +348,19 @@ def _power(grid: _Grid, out: pathlib.Path) -> list[str]:
             "(`hetrl.experiment.power`).", "",
             "Differences this grid measures (Welch 95% CI):", "",
             *_table(["comparison", "difference", "final held-out success"], diffs),
-            "Seeds per arm for a half-width no wider than each margin:", "",
-            *_table(["margin", *(f"{e} episodes" for e in pa.episodes)], seed_rows),
-            f"A grid at those seeds, {pa.jobs} runs at a time: a run took {seconds0:.0f} s here (mean `wall_s`, "
-            f"{pa.jobs} runs sharing the machine) with {round(evaluations)} evaluations of {eval_s:.1f} s each "
-            f"(mean `eval_s`), which grow with their episodes; budget {pa.budget_hours:g} h:", "",
-            *_table(["plan", "arms", "margin", *(f"{e} episodes" for e in pa.episodes)], plan_rows),
+            "Seeds per arm for a half-width no wider than each margin m, which resolves a one-threshold test unless "
+            "the true difference lies within the half-width of −m, and no wider than m/2, at which the two-threshold "
+            "*worse (margin m)* rule (E2's uncorrected comparison) decides whatever the difference: its interval cannot "
+            "hold both 0 and −m:", "",
+            *_table(["margin", "half-width", *(f"{e} episodes" for e in pa.episodes)], seed_rows),
+            (f"A grid at those seeds, {pa.jobs} runs at a time: a run took {seconds0:.0f} s here (mean `wall_s`, "
+             f"{pa.jobs} runs sharing the machine) with {round(evaluations)} evaluations of {eval_s:.1f} s each "
+             f"(mean `eval_s`), which grow with their episodes; budget {pa.budget_hours:g} h:"
+             if math.isfinite(seconds0) else
+             "A grid at those seeds: its runs (no hours: these runs' metrics do not show an evaluation's time, "
+             "`eval_s`, which needs an evaluation between the first and the last step, as a step's record is stamped "
+             "before its evaluation runs):"), "",
+            *_table(["plan", "arms", "margin", "half-width", *(f"{e} episodes" for e in pa.episodes)], plan_rows),
             *_figure(out, png, "CI half-width against seeds per arm")]
 
 
