@@ -33,7 +33,7 @@ sandbox-tools:
 	  || echo "sandbox: bubblewrap unavailable (not root or offline); the sandbox falls back to unshare namespaces"
 
 test: $(STAMP) sglang-venv sandbox-tools
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
 
 train: $(STAMP)
 	$(VENV)/bin/hetrl train

@@ -17,7 +17,8 @@ N x batch rollouts trained in both arms. Also reported: the window **steps 2..N*
 the end of step N minus at the end of step 1, from the run's metrics), which leaves out set-up
 and the first step, which pays the jit compiles of a fresh trainer (and during which the async
 arm already samples ahead). One untimed 2-step warm-up run per arm fills the JAX persistent
-compilation cache (a directory under ``--work``) so that timed runs reuse compiled programs.
+compilation cache (``JAX_COMPILATION_CACHE_DIR`` where set, as under the test suite, else a
+directory under ``--work``) so that timed runs reuse compiled programs.
 Arms run interleaved (alternating which goes first in each repeat) so machine load shifts both
 alike. Ratio = sync / async wall time per repeat (> 1: async is faster), summarized by the median
 over repeats.
@@ -130,7 +131,8 @@ def main(argv: list[str] | None = None) -> None:
 
     import jax
 
-    jax.config.update("jax_compilation_cache_dir", str((args.work / "jax-cache").resolve()))
+    cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str((args.work / "jax-cache").resolve())
+    jax.config.update("jax_compilation_cache_dir", cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     base = load_config(args.config, overrides)
     model_dir = resolve_model(base.model, args.work / "model").resolve()  # built once, shared by every run

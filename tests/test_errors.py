@@ -12,6 +12,7 @@ shipped config either builds its orchestrator up to contacting its endpoints or 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import socket
 import subprocess
@@ -228,3 +229,17 @@ def test_a_user_error_in_any_phase_of_the_run_is_one_line(capsys, monkeypatch, t
     line = _one_line_error(capsys, ["train", "tiny_homogeneous.yaml", "--set", f"output_dir={tmp_path}"])
     assert line == ("hetrl train: checkpointing.resume: the checkpoint was written by the megatron trainer; resume "
                     "with --trainer megatron")
+
+
+def test_a_reader_that_leaves_the_pipe_early_gets_no_traceback():
+    """`hetrl experiment --dry-run | head`: the command's output outlives its reader (here a pipe
+    whose read end is closed before anything is written); it ends quietly with 141 (128 +
+    SIGPIPE), like a piped Unix tool, not with a BrokenPipeError traceback."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "hetrl.cli", "experiment", "experiment_default.yaml", "--dry-run"],
+                              stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert "Traceback" not in proc.stderr and proc.returncode == 141, proc.stderr[-2000:]

@@ -58,20 +58,29 @@ def model_dir(tmp_path_factory) -> pathlib.Path:
     return target
 
 
+API_KEY, API_KEY_ENV = "hetrl-test-key", "HETRL_TEST_SGLANG_KEY"
+"""The module server requires this key (one server start serves the API-key test too); the pools
+here send it, from the environment variable (a server started without a key ignores it)."""
+
+
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    srv = SGLangServer(model_dir, log_path=tmp_path_factory.mktemp("sglang-log") / "server.log").start()
-    yield srv
-    srv.close()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(API_KEY_ENV, API_KEY)
+        srv = SGLangServer(model_dir, log_path=tmp_path_factory.mktemp("sglang-log") / "server.log",
+                           api_key=API_KEY).start()
+        yield srv
+        srv.close()
 
 
-def _pool(*endpoints: str, **server) -> PoolConfig:
+def _pool(*endpoints: str, api_key_env: str | None = API_KEY_ENV, **server) -> PoolConfig:
     return PoolConfig(name="sgl", engine="sglang", accelerator="h100", weight_precision="bf16", kv_precision="bf16",
-                      replicas=len(endpoints), endpoints=endpoints, server={"top_logprobs_num": 32, **server})
+                      replicas=len(endpoints), endpoints=endpoints, api_key_env=api_key_env,
+                      server={"top_logprobs_num": 32, **server})
 
 
-def _sampler(model_dir, tmp_path, *endpoints, **server) -> ServerSampler:
-    pool = _pool(*endpoints, **server)
+def _sampler(model_dir, tmp_path, *endpoints, api_key_env: str | None = API_KEY_ENV, **server) -> ServerSampler:
+    pool = _pool(*endpoints, api_key_env=api_key_env, **server)
     return ServerSampler(pool, pool.numerics(), model_dir=model_dir, weights_dir=tmp_path / "weights")
 
 
@@ -269,18 +278,14 @@ def test_bad_requests_are_refused_with_clear_errors(server, model_dir, tmp_path)
         sampler.generate([GenerationRequest("x", np.asarray([1, config.vocab_size], np.int32), SAMPLING, 4)])
 
 
-def test_api_key_is_sent_and_required(model_dir, tmp_path, monkeypatch):
-    srv = SGLangServer(model_dir, log_path=tmp_path / "server.log", api_key="hetrl-test-key").start()
-    try:
-        monkeypatch.setenv("HETRL_TEST_SGLANG_KEY", "hetrl-test-key")
-        pool = PoolConfig(name="sgl", engine="sglang", accelerator="h100", endpoints=(srv.url,),
-                          api_key_env="HETRL_TEST_SGLANG_KEY", server={"top_logprobs_num": 32})
-        sampler = ServerSampler(pool, pool.numerics(), model_dir=model_dir, weights_dir=tmp_path / "w")
-        assert len(sampler.generate(_requests(_prompts(ModelConfig.load(model_dir), 2), max_new=4))) == 2
-        with pytest.raises(ServerError, match="HTTP 401"):
-            _sampler(model_dir, tmp_path, srv.url)
-    finally:
-        srv.stop()
+def test_api_key_is_sent_and_required(server, model_dir, tmp_path):
+    """The module server was started with ``--api-key``: a pool naming the key's variable is
+    served, one without it is refused (HTTP 401)."""
+    assert server.api_key == API_KEY
+    sampler = _sampler(model_dir, tmp_path, server.url)
+    assert len(sampler.generate(_requests(_prompts(ModelConfig.load(model_dir), 2), max_new=4))) == 2
+    with pytest.raises(ServerError, match="HTTP 401"):
+        _sampler(model_dir, tmp_path, server.url, api_key_env=None)
 
 
 def test_killed_server_is_detected_and_its_jobs_requeued(server, model_dir, tmp_path):

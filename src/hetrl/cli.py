@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import shlex
 import signal
 import sys
@@ -108,10 +109,16 @@ def _resume_command(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command == "train":
-        return _train(args)
-    return importlib.import_module(COMMANDS[args.command][0]).run(args)
+    try:
+        args = build_parser().parse_args(argv)
+        if args.command == "train":
+            return _train(args)
+        return importlib.import_module(COMMANDS[args.command][0]).run(args)
+    except BrokenPipeError:
+        # the reader of stdout left (`hetrl experiment --dry-run | head`): end quietly, as a piped Unix tool does;
+        # stdout goes to /dev/null so that the interpreter's final flush does not fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":
