@@ -3,6 +3,8 @@ by TensorBoard's own reader, an offline W&B run, and the fan-out."""
 
 import json
 import math
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -50,6 +52,23 @@ def test_tensorboard_events_read_back_by_tensorboard(tmp_path):
     assert (s1, s2) == (1, 2)
     np.testing.assert_allclose([v1, v2], [4.73e-4, 1e-5], rtol=2**-23)  # float32 storage
     assert [s for s, _ in scalars["eval/success"]] == [1] and math.isnan(scalars["eval/success"][0][1])
+
+
+def test_the_tensorboard_monitor_does_not_import_torch_and_torch_still_imports_after_it(tmp_path):
+    """A fresh process (this one may have torch loaded): a JAX run's monitor leaves torch unloaded
+    (tensorboardX would import it), its events are written, and ``import torch`` works afterwards."""
+    script = (
+        "import sys, pathlib\n"
+        "from hetrl.orchestrator.monitors import TensorBoardMonitor\n"
+        f"m = TensorBoardMonitor({str(tmp_path / 'tb')!r}); m.log({{'step': 1, 'loss': 0.5}}); m.close()\n"
+        "print('torch loaded:', 'torch' in sys.modules)\n"
+        "import torch\n"
+        "print('torch imports:', torch.ones(2).sum().item())\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == ["torch loaded: False", "torch imports: 2.0"]
+    assert _tensorboard_scalars(tmp_path / "tb") == {"loss": [(1, 0.5)]}
 
 
 def test_fan_out_logs_to_all_and_closes_all_on_error(tmp_path):

@@ -16,6 +16,7 @@ import math
 import numbers
 import os
 import pathlib
+import sys
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol
 
 import numpy as np
@@ -85,14 +86,33 @@ class JsonlMonitor:
         self._file.close()
 
 
+def _summary_writer() -> type:
+    """``tensorboardX.SummaryWriter``, imported without torch where torch is not loaded yet.
+
+    tensorboardX imports torch at module level whenever it is installed (the ``megatron`` extra
+    installs it), only to name ``torch.Tensor`` in its type hints; a run with the JAX trainer
+    never uses torch, and that import was about 2 s of CPU of every such run's start-up. While
+    tensorboardX loads, ``import torch`` fails as if torch were absent (the library's own
+    fallback); the block is lifted at once, so torch imports normally afterwards."""
+    if "tensorboardX" in sys.modules or "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+
+        return SummaryWriter
+    sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` raises ImportError
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
+
+
 class TensorBoardMonitor:
     """A new TensorBoard event file in ``directory`` (``tensorboardX.SummaryWriter``): each
     scalar of a record (:func:`scalars`, non-finite values kept) at the record's step, flushed
     after every record."""
 
     def __init__(self, directory: str | os.PathLike):
-        from tensorboardX import SummaryWriter
-
+        SummaryWriter = _summary_writer()
         logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)  # a NaN (an empty mean) is a value here
         self.directory = pathlib.Path(directory)
         self._writer = SummaryWriter(logdir=str(self.directory))
