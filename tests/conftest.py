@@ -8,12 +8,15 @@ import json
 import os
 import pathlib
 
+from xla_env import apply_suite_flags
+
 # One persistent XLA compilation cache for the whole suite (before anything imports JAX; the
 # test's `hetrl` subprocesses inherit it): the tiny runs compile the same programs dozens of
 # times (about 20% of a tiny run's time). A cached executable is the one a fresh compile makes.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(pathlib.Path(__file__).resolve().parents[1] / ".cache" / "jax"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+apply_suite_flags()  # XLA compiles fast at its lowest optimization level (xla_env.py)
 
 import pytest
 from hypothesis import HealthCheck, settings

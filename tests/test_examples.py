@@ -24,6 +24,7 @@ import yaml
 
 from hetrl.config import CONFIG_DIR, load_config
 from tiny_run import NO_EVAL, QUIET, TINY_MODEL, set_args
+from xla_env import host_devices
 
 pytestmark = pytest.mark.slow  # each trains a tiny run with two trainer ranks
 
@@ -31,7 +32,7 @@ RUN_TIMEOUT_S = 600
 STEPS = 2
 EXAMPLES = {
     "qwen3_b200_megatron.yaml": ((), {}),
-    "qwen3_tpu_jax.yaml": ((), {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}),
+    "qwen3_tpu_jax.yaml": ((), host_devices(2)),
 }
 """Each example: the device-count overrides beyond :func:`tiny_overrides` and the environment
 (the JAX processes' fake CPU devices)."""

@@ -25,6 +25,7 @@ from trainer_jax_worker import (
     MESHES, RESUME_CONFIG, TRAIN_CONFIG, model_logits_fn, model_matched_batch, read_result,
     make_trainer, rollouts_for_prompts, step_prompts,
 )
+from xla_env import host_devices
 
 WORKER = pathlib.Path(__file__).with_name("trainer_jax_worker.py")
 VOCAB = TINY_QWEN3.vocab_size
@@ -77,7 +78,7 @@ def _run(args: list[str], env: dict[str, str] | None = None, timeout: int = SUBP
 
 
 def _env(devices: int) -> dict[str, str]:
-    return os.environ | {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
+    return os.environ | host_devices(devices)
 
 
 def _assert_weights_close(got: dict[str, np.ndarray], want: dict[str, np.ndarray], rtol: float = 1e-5) -> None:

@@ -28,6 +28,7 @@ import pytest
 
 from hetrl.orchestrator.trainer_ranks import balanced_shares
 from tiny_run import NO_EVAL, QUIET, replicas, set_args
+from xla_env import host_devices
 
 RUN_TIMEOUT_S = 600
 STEPS = 2
@@ -52,7 +53,7 @@ one rank's share instead of the batch would be off by percent."""
 TRAINER_METRICS = ("grad_norm", "entropy", "advantage_abs_mean", "learning_rate")
 LAYOUTS = {"tp2": "trainer.tensor_parallel=2", "dp2": "trainer.data_parallel=2"}
 """The two-rank layouts, as the issue's commands spell them (Megatron's names for trainer.mesh axes)."""
-JAX_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+JAX_DEVICES = host_devices(2)
 """The environment of the JAX runs: 2 fake CPU devices per process (the loop's and each trainer process's)."""
 
 
