@@ -58,7 +58,7 @@ def test_the_tensorboard_monitor_does_not_import_torch_and_torch_still_imports_a
     """A fresh process (this one may have torch loaded): a JAX run's monitor leaves torch unloaded
     (tensorboardX would import it), its events are written, and ``import torch`` works afterwards."""
     script = (
-        "import sys, pathlib\n"
+        "import sys\n"
         "from hetrl.orchestrator.monitors import TensorBoardMonitor\n"
         f"m = TensorBoardMonitor({str(tmp_path / 'tb')!r}); m.log({{'step': 1, 'loss': 0.5}}); m.close()\n"
         "print('torch loaded:', 'torch' in sys.modules)\n"
