@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import pathlib
+import resource
 import subprocess
 import sys
 from dataclasses import fields
@@ -190,7 +191,11 @@ def test_coverage_guided_fuzzing_with_atheris(tmp_path):
     corpus.mkdir()
     (corpus / "valid").write_bytes(VALID)
     script = pathlib.Path(__file__).with_name("fuzz_rollouts_atheris.py")
-    proc = subprocess.run([sys.executable, str(script), str(corpus), "-runs=5000", "-seed=1", "-max_len=4096"],
+    # libFuzzer reads its RSS as ru_maxrss, which Linux carries across fork and exec: the child
+    # starts at this worker's peak. The 2 GiB budget is therefore counted above that peak.
+    inherited_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+    proc = subprocess.run([sys.executable, str(script), str(corpus), "-runs=5000", "-seed=1", "-max_len=4096",
+                           f"-rss_limit_mb={inherited_mb + 2048}"],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Done 5000 runs" in proc.stderr
