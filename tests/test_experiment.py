@@ -540,7 +540,8 @@ def test_hetrl_experiment_end_to_end_on_a_tiny_grid(tmp_path, monkeypatch, capsy
                                                      ("e5", "experiment_e5", False),
                                                      ("stress/pilot", "experiment_stress_pilot", False),
                                                      ("stress/confirm", "experiment_stress_confirm", False),
-                                                     ("stress", "experiment_stress", False)])
+                                                     ("stress", "experiment_stress", False),
+                                                     ("e4_long", "experiment_e4_long", False)])
 def test_the_committed_report_is_re_derived_from_its_raw_metrics(tmp_path, monkeypatch, capsys, committed, grid, quick):
     """`hetrl experiment configs/<grid>.yaml [--quick] --out <a copy of docs/results/...>`
     trains nothing and writes the committed REPORT.md and measures.json again from the per-run
