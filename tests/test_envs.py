@@ -231,6 +231,46 @@ def test_feedback_for_unloadable_slow_and_missing_code(sandbox):
     assert slow.info["scored_passed"] == 0
 
 
+SPEND = ("import time\n\ndef spend(cpu_s, sleep_s):\n    t = time.process_time()\n"
+         "    while time.process_time() - t < cpu_s:\n        pass\n    time.sleep(sleep_s)\n    return cpu_s\n")
+"""A candidate function that computes for ``cpu_s`` seconds of CPU time, then blocks ``sleep_s`` seconds."""
+
+
+def test_a_call_is_limited_by_its_cpu_time_not_by_the_wall_clock(sandbox):
+    """A grade must not depend on how busy the machine is: the per-call limit counts the call's
+    CPU time, so a call whose wall time exceeds it (here by sleeping, as a starved process would by
+    waiting for a core) still passes; a call over its CPU time fails; a call that blocks is ended by
+    the wall-clock backstop."""
+    env = CodingEnv(CodingEnvConfig(test_timeout_s=0.4, test_wall_s=2.0), sandbox=sandbox)
+    load_error, (waits, spins, blocks), res = env.call(SPEND, "spend", [((0.1, 0.8), {}), ((5.0, 0.0), {}),
+                                                                        ((0.0, 60.0), {})])
+    assert load_error is None and res.killed_reason is None
+    assert waits.ok and waits.value == 0.1  # 0.9 s of wall clock, 0.1 s of CPU: within the 0.4 s limit
+    assert not spins.ok and "Timeout: the call took too long (CPU time limit)" in spins.error
+    assert not blocks.ok and "Timeout: the call took too long (wall time limit)" in blocks.error
+    assert res.wall_s < 0.9 + 0.4 + 2.0 + 2.0  # each limit ended its call, not the sandbox's own
+
+
+def test_a_unittest_is_limited_by_its_cpu_time_not_by_the_wall_clock(sandbox):
+    env = CodingEnv(CodingEnvConfig(test_timeout_s=0.4, test_wall_s=2.0), sandbox=sandbox)
+    test = ("import unittest\nfrom pkg.spend import spend\n\nclass T(unittest.TestCase):\n"
+            "    def test_waits(self):\n        self.assertEqual(spend(0.1, 0.8), 0.1)\n"
+            "    def test_spins(self):\n        spend(5.0, 0.0)\n"
+            "    def test_blocks(self):\n        spend(0.0, 60.0)\n")
+    task = RepoTask(task_id="repo-spend", family="t", issue="Spend.", files={"pkg/__init__.py": "", "pkg/spend.py": ""},
+                    tests={"tests/test_spend.py": test})
+    grade = env.grade(task, f"```python pkg/spend.py\n{SPEND}```")
+    details = {o.name.rsplit(".", 1)[-1]: (o.passed, o.detail) for o in grade.scored}
+    assert details["test_waits"][0], details["test_waits"][1]  # 0.9 s of wall clock, 0.1 s of CPU
+    assert not details["test_spins"][0] and "CPU time limit" in details["test_spins"][1]
+    assert not details["test_blocks"][0] and "wall time limit" in details["test_blocks"][1]
+
+
+def test_the_wall_clock_backstop_cannot_be_below_the_cpu_limit():
+    with pytest.raises(ValueError, match="test_wall_s .* below test_timeout_s"):
+        CodingEnvConfig(test_timeout_s=2.0, test_wall_s=1.0)
+
+
 def test_function_harness_never_holds_the_expected_values(env):
     # The candidate finds the harness's input in its caller's frame: it holds only the inputs. A
     # forged, absurdly nested result line does not hurt the parent.
@@ -241,7 +281,7 @@ def test_function_harness_never_holds_the_expected_values(env):
               "    return sorted(spec)\n```")
     grade = env.grade(task, attack)
     assert grade.tested and grade.scored_fraction == 0.0
-    assert grade.visible[0].detail.endswith("got ['calls', 'entry', 'max_out_chars', 'module', 'nonce', 'timeout_s']")
+    assert grade.visible[0].detail.endswith("got ['calls', 'cpu_s', 'entry', 'max_out_chars', 'module', 'nonce', 'wall_s']")
 
 
 def test_sandbox_output_is_sanitized_for_the_chat_format(env):

@@ -1,12 +1,14 @@
 """Unit-test harness, run as the sandbox program by :mod:`hetrl.envs.coding` (stdlib only).
 
-Input (stdin, JSON): ``{"nonce", "tests": {"tests/test_x.py": source, ...}, "timeout_s"}``. The test
+Input (stdin, JSON): ``{"nonce", "tests": {"tests/test_x.py": source, ...}, "cpu_s", "wall_s"}``. The test
 sources come from the grader's pristine copy, in memory: they are read here before any of the
 candidate's code loads and run from that copy, whatever the candidate writes to disk (hidden test
 files are never on disk at all). For each file this process, which never imports the candidate's
 code, forks a child that loads the file as module ``tests.test_x`` (the run directory first on
-``sys.path``), runs its tests with :mod:`unittest`, each under a time limit, and sends one record
-per test through a pipe: ``{"id": "tests.test_x.Class.test_y", "status":
+``sys.path``), runs its tests with :mod:`unittest`, each under a limit of ``cpu_s`` seconds of the
+child's CPU time (``ITIMER_PROF``: a grade does not depend on how busy the machine is) and a
+backstop of ``wall_s`` seconds of wall clock (``ITIMER_REAL``, for code that blocks), and sends
+one record per test through a pipe: ``{"id": "tests.test_x.Class.test_y", "status":
 "pass|fail|error|skip", "message": ...}`` (or ``{"file": ..., "status": "error", ...}`` when the
 file does not load). The parent relays the first record per test id to the *original* stdout as
 ``NONCE <record>``. A child has no descriptor of that stdout (its output goes to stderr), and this
@@ -35,8 +37,14 @@ class _Timeout(BaseException):  # not an Exception: a candidate's `except Except
     pass
 
 
-def _on_alarm(*_):
-    raise _Timeout("the test took too long")
+def _on_timer(signum, _frame):
+    raise _Timeout(f"the test took too long ({'CPU' if signum == signal.SIGPROF else 'wall'} time limit)")
+
+
+def _limit(cpu_s, wall_s):
+    """Arm (or, with zeros, disarm) the CPU-time and wall-clock limits of the next test."""
+    signal.setitimer(signal.ITIMER_PROF, cpu_s)
+    signal.setitimer(signal.ITIMER_REAL, wall_s)
 
 
 def _short(text):
@@ -112,31 +120,33 @@ def _guard_assert_equal(test_module):
     unittest.TestCase.assertEqual = assert_equal
 
 
-def _run_file(path, source, timeout_s, send):
-    """In the child: load one test file from its pristine ``source`` and run its tests."""
+def _run_file(path, source, limits, send):
+    """In the child: load one test file from its pristine ``source`` and run its tests, each
+    under ``limits`` = (CPU seconds, wall seconds)."""
     name = path[:-3].replace("/", ".")
     _guard_assert_equal(name)
-    signal.signal(signal.SIGALRM, _on_alarm)
+    signal.signal(signal.SIGALRM, _on_timer)
+    signal.signal(signal.SIGPROF, _on_timer)
     try:
-        signal.setitimer(signal.ITIMER_REAL, timeout_s)
+        _limit(*limits)
         module = type(sys)(name)
         module.__file__ = os.path.join(os.getcwd(), path)
         sys.modules[name] = module
         exec(compile(source, path, "exec"), module.__dict__)
-        signal.setitimer(signal.ITIMER_REAL, 0)
+        _limit(0, 0)
         tests = list(_iter_tests(unittest.defaultTestLoader.loadTestsFromModule(module)))
     except BaseException as exc:
-        signal.setitimer(signal.ITIMER_REAL, 0)
+        _limit(0, 0)
         send({"file": path, "status": "error", "message": _short(f"{type(exc).__name__}: {exc}")})
         return
     for test in tests:
         recorder = _Recorder()
         try:
-            signal.setitimer(signal.ITIMER_REAL, timeout_s)
+            _limit(*limits)
             test.run(recorder)
-            signal.setitimer(signal.ITIMER_REAL, 0)
+            _limit(0, 0)
         except BaseException as exc:
-            signal.setitimer(signal.ITIMER_REAL, 0)
+            _limit(0, 0)
             recorder.outcomes.setdefault(test.id(), ("error", _short(f"{type(exc).__name__}: {exc}")))
         status, message = recorder.outcomes.get(test.id(), ("error", "no outcome recorded"))
         send({"id": test.id(), "status": status, "message": message})
@@ -168,7 +178,7 @@ def main():
                     channel.write(json.dumps(record) + "\n")
                     channel.flush()
 
-                _run_file(path, source, spec["timeout_s"], send)
+                _run_file(path, source, (spec["cpu_s"], spec["wall_s"]), send)
             finally:
                 os._exit(0)
         os.close(write_end)

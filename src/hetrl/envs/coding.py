@@ -380,18 +380,31 @@ def _sanitize(text: str) -> str:
 
 class CodingEnvConfig(BaseModel):
     """``max_turns``: answers per episode; ``format_weight``: weight of the format term;
-    ``test_timeout_s``: per call / per test; ``require_isolation``: passed to :class:`Sandbox`."""
+    ``test_timeout_s``: CPU seconds per call / per test (CPU time, not wall clock, so that a grade
+    does not depend on the machine's load); ``test_wall_s``: the wall-clock backstop per call / per
+    test, for code that blocks (sleeps, waits on input) instead of computing; ``limits.wall_s``
+    bounds the whole run the same way, set well above its CPU limit so that a loaded machine (a
+    fifth of a core per run) cannot end a run that stays within its CPU time;
+    ``require_isolation``: passed to :class:`Sandbox`."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     max_turns: int = Field(default=3, ge=1)
     format_weight: float = Field(default=0.1, ge=0.0, le=1.0)
-    limits: SandboxLimits = SandboxLimits(cpu_s=4, wall_s=8, max_output_bytes=1 << 18)
+    limits: SandboxLimits = SandboxLimits(cpu_s=4, wall_s=30, max_output_bytes=1 << 18)
     test_timeout_s: float = Field(default=1.0, gt=0)
+    test_wall_s: float = Field(default=5.0, gt=0)
     max_failures_shown: int = Field(default=3, ge=1)
     max_feedback_chars: int = Field(default=1500, ge=200)
     require_isolation: tuple[str, ...] = ()
     system_prompt: str | None = None
+
+    @model_validator(mode="after")
+    def _wall_above_cpu(self) -> "CodingEnvConfig":
+        if self.test_wall_s < self.test_timeout_s:
+            raise ValueError(f"test_wall_s ({self.test_wall_s}) is below test_timeout_s ({self.test_timeout_s}): "
+                             "the wall-clock backstop must be at least the CPU-time limit")
+        return self
 
 
 class CodingEnv(Environment):
@@ -405,6 +418,10 @@ class CodingEnv(Environment):
         self._files: dict[str, str] = {}
         self._turn = 0
         self._done = True
+
+    def _test_limits(self) -> dict[str, float]:
+        """The harnesses' per-call / per-test limits: CPU seconds and the wall-clock backstop."""
+        return {"cpu_s": self.config.test_timeout_s, "wall_s": self.config.test_wall_s}
 
     # -- episode -----------------------------------------------------------------------------
 
@@ -481,7 +498,7 @@ class CodingEnv(Environment):
         came (the code did not load, the sandbox killed the run)."""
         nonce = secrets.token_hex(8)
         spec = {"nonce": nonce, "module": SOLUTION_MODULE, "entry": entry_point,
-                "calls": [typed.encode(c) for c in calls], "timeout_s": self.config.test_timeout_s,
+                "calls": [typed.encode(c) for c in calls], **self._test_limits(),
                 "max_out_chars": max_out_chars}
         res = self.sandbox.run(FUNCTION_HARNESS, stdin=json.dumps(spec),
                                files={f"{SOLUTION_MODULE}.py": code, TYPED_MODULE[0]: TYPED_MODULE[1]})
@@ -575,7 +592,7 @@ class CodingEnv(Environment):
         canaries = {p: _canary_ids(p) for p in paths} if scoring else {}
         tests = {p: sources[p] + (_canary_source(*canaries[p]) if scoring else "") for p in paths}
         nonce = secrets.token_hex(8)
-        spec = {"nonce": nonce, "tests": tests, "timeout_s": self.config.test_timeout_s}
+        spec = {"nonce": nonce, "tests": tests, **self._test_limits()}
         res = self.sandbox.run(UNITTEST_HARNESS, stdin=json.dumps(spec), files={**state, **task.tests})
         records = _records(res.stdout, nonce)
         by_id = {r["id"]: r for r in records if isinstance(r.get("id"), str)}
