@@ -10,9 +10,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.hetrl-$(shell cat pyproject.toml constraints.txt | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
-# pytest-xdist workers, one more than the cores (at most 8): two kept 2 cores only 155% busy (BENCHMARKS.md).
-# Each takes whole test files (their module fixtures are shared).
-PYTEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 8 ? n + 1 : 8 )))
+PYTEST_WORKERS ?= 2  # pytest-xdist workers; each takes whole test files (their module fixtures are shared)
 
 .PHONY: venv sglang-venv sandbox-tools test train bench clean
 
