@@ -119,6 +119,27 @@ def test_an_episode_cut_short_is_scored_with_its_last_writes(env):
     assert grade.reward(env.config.format_weight) == 1.0 and grade.tampered is None
 
 
+SPEND = ("import sys, time\ncpu, wall = float(sys.argv[1]), float(sys.argv[2])\nend = time.process_time() + cpu\n"
+         "while time.process_time() < end:\n    pass\ntime.sleep(wall)\nprint('spent')\n")
+"""A script that computes for ``argv[1]`` CPU seconds, then sleeps ``argv[2]`` seconds."""
+
+
+def test_a_run_command_is_limited_by_its_cpu_time_not_by_the_wall_clock(sandbox):
+    env = AgentRepoEnv(AgentEnvConfig(max_steps=6, command_timeout_s=1, command_wall_s=2.5), sandbox=sandbox)
+    env.reset(TASK)
+    waits, spins, blocks = (env.step(call("write_file", path="spend.py", content=SPEND) + call("run", command=command))
+                            .observation.text for command in ("python spend.py 0.1 1.5", "python spend.py 5 0",
+                                                              "python spend.py 0 60"))
+    assert "spent" in waits and "[exit status 0]" in waits  # 1.6 s of wall clock on 0.1 s of CPU: within 1 s of CPU
+    assert "spent" not in spins and "[stopped: CPU time limit, 1 s]" in spins
+    assert "spent" not in blocks and "[stopped: wall time limit, 2.5 s]" in blocks
+
+
+def test_the_run_commands_wall_clock_backstop_cannot_be_below_its_cpu_limit():
+    with pytest.raises(ValueError, match="command_wall_s .* below command_timeout_s"):
+        AgentEnvConfig(command_timeout_s=3, command_wall_s=2)
+
+
 def test_agentic_runs_take_repository_tasks_only(tmp_path):
     from hetrl.config import load_config
 

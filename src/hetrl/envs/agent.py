@@ -25,7 +25,7 @@ import json
 import re
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from hetrl.envs.base import Environment, Message, Observation, StepResult
 from hetrl.envs.coding import CodingEnv, CodingEnvConfig, Grade, RepoTask, _check_relpath, _sanitize
@@ -51,16 +51,27 @@ TOOLS = (
                                       "parameters": {"type": "object", "properties": {}}}},
 )
 
-_RUN = """import json, shlex, subprocess, sys
+_RUN = """import json, resource, shlex, signal, subprocess, sys
 spec = json.loads(sys.stdin.read())
 argv = shlex.split(spec["command"])
 if argv and argv[0] in ("python", "python3"):
     argv[0] = sys.executable
+cpu = spec["cpu_s"]
+
+def limit_cpu():  # in the command's process: RLIMIT_CPU (whole seconds), SIGKILL a second later
+    _, hard = resource.getrlimit(resource.RLIMIT_CPU)
+    top = cpu + 1 if hard == resource.RLIM_INFINITY else hard
+    resource.setrlimit(resource.RLIMIT_CPU, (min(cpu, top), min(cpu + 1, top)))
+
 try:
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=spec["timeout_s"])
-    sys.stdout.write(done.stdout + done.stderr + f"[exit status {done.returncode}]")
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=spec["wall_s"], preexec_fn=limit_cpu)
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if done.returncode in (-signal.SIGXCPU, -signal.SIGKILL) and used.ru_utime + used.ru_stime >= cpu - 0.05:
+        sys.stdout.write(done.stdout + done.stderr + f"[stopped: CPU time limit, {cpu} s]")
+    else:
+        sys.stdout.write(done.stdout + done.stderr + f"[exit status {done.returncode}]")
 except subprocess.TimeoutExpired:
-    sys.stdout.write("[timed out]")
+    sys.stdout.write(f"[stopped: wall time limit, {spec['wall_s']} s]")
 except OSError as exc:
     sys.stdout.write(f"[cannot run: {exc}]")
 """
@@ -68,13 +79,24 @@ except OSError as exc:
 
 class AgentEnvConfig(BaseModel):
     """``max_steps``: assistant turns before the repository is scored as it is;
-    ``command_timeout_s``: per ``run``; ``max_observation_chars``: per tool response."""
+    ``command_timeout_s``: CPU seconds per ``run`` (whole seconds, RLIMIT_CPU's unit; CPU time, not
+    wall clock, so that what the agent observes does not depend on the machine's load);
+    ``command_wall_s``: the wall-clock backstop per ``run``, for a command that blocks instead of
+    computing; ``max_observation_chars``: per tool response."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     max_steps: int = Field(8, ge=1)
-    command_timeout_s: float = Field(5.0, gt=0)
+    command_timeout_s: int = Field(3, ge=1)
+    command_wall_s: float = Field(10.0, gt=0)
     max_observation_chars: int = Field(4000, ge=200)
+
+    @model_validator(mode="after")
+    def _wall_above_cpu(self) -> "AgentEnvConfig":
+        if self.command_wall_s < self.command_timeout_s:
+            raise ValueError(f"command_wall_s ({self.command_wall_s}) is below command_timeout_s "
+                             f"({self.command_timeout_s}): the wall-clock backstop must be at least the CPU-time limit")
+        return self
 
 
 class AgentRepoEnv(Environment):
@@ -155,7 +177,8 @@ class AgentRepoEnv(Environment):
         visible = {**self._files, **task.tests}
         try:
             if name == "run":
-                spec = {"command": str(arguments["command"]), "timeout_s": self.agent.command_timeout_s}
+                spec = {"command": str(arguments["command"]), "cpu_s": self.agent.command_timeout_s,
+                        "wall_s": self.agent.command_wall_s}
                 res = self.coding.sandbox.run(_RUN, stdin=json.dumps(spec), files=visible)
                 return res.stdout if res.killed_reason is None else f"{res.stdout}[sandbox: {res.killed_reason}]"
             path = _check_relpath(str(arguments["path"]))
