@@ -321,16 +321,22 @@ def _wait_until(condition, timeout: float = 120.0) -> None:
         time.sleep(0.01)
 
 
+MIXED_STEPS = 6
+
+
 def test_hetrl_train_runs_a_mixed_fleet_and_survives_the_server_dying(model_dir, tmp_path):
     """`hetrl train` on configs/tiny_mixed_sglang.yaml (three embedded pools and an SGLang pool):
     the SGLang pool's rollouts are trained on and its server loads every new version; then the
-    server is killed after step 2 and training continues on the embedded pools to step 4."""
+    server is killed after step 2 and training continues on the embedded pools to step 6 (batches of 4
+    groups of 2: the steps after the kill draw on more than what was already generated, so the
+    server's death is met and recorded)."""
     srv = SGLangServer(model_dir, log_path=tmp_path / "server.log").start()
     out = tmp_path / "run"
     # no quarantine: the run is about the server's death; on a loaded machine an embedded pool that takes over the
     # dead pool's jobs can fall behind by more than max_staleness and be quarantined for it (a CI run lost the
     # NVFP4 pool that way at step 4), which is the admission gate's behaviour, tested on its own
-    sets = [f"output_dir={out}", "steps=4", QUIET, NO_EVAL, "async.max_new_tokens=24",
+    sets = [f"output_dir={out}", f"steps={MIXED_STEPS}", QUIET, NO_EVAL, "async.batch_groups=4", "async.group_size=2",
+            "async.max_new_tokens=24",
             f'fleet.pools[3].endpoints=["{srv.url}"]', "fleet.pools[3].server.retries=1",
             "fleet.pools[3].server.backoff_s=0.05", "fleet.quarantine.max_rejection_rate=1.0"]
     cmd = [sys.executable, "-m", "hetrl.cli", "train", str(ROOT / "configs" / "tiny_mixed_sglang.yaml")]
@@ -358,7 +364,7 @@ def test_hetrl_train_runs_a_mixed_fleet_and_survives_the_server_dying(model_dir,
     assert rc == 0, (tmp_path / "train.log").read_text()[-4000:]
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     steps = [r for r in rows if "loss" in r]
-    assert steps[-1]["step"] == 4
+    assert steps[-1]["step"] == MIXED_STEPS
     assert sum(r.get("batch/pool/h100-sglang/groups", 0) for r in steps) > 0  # its rollouts were trained on
     last = steps[-1]
     assert last["pool/h100-sglang/replicas_alive"] == 0 and last["pool/h100-sglang/errors"] == 1
